@@ -1,0 +1,266 @@
+"""Per-timestep glue between a rollout batch and a registered loss (DESIGN §3 step 6, docs/data_flow.md).
+
+Rows of the rollout batch are samples; a loss sees *items* = (sample, trained step) pairs. For one trained
+step ``k`` this module
+
+* builds the θ-independent :class:`~verl_diffusion.algos.types.StepBatch` with only the fields the loss
+  declares (``LossSpec.batch_keys``) — :func:`build_step_batch`;
+* computes the θ-dependent :class:`~verl_diffusion.algos.types.StepQuantities` for the declared
+  :class:`~verl_diffusion.algos.types.StepNeeds` only, through the shared SDE kernel ``algos.sde`` (so the
+  on-policy log-prob is bitwise the rollout's) — :func:`compute_step_quantities`.
+
+The velocity itself comes from a callable ``velocity_fn(x_t [B,*], t [B], rows) -> v [B,*]`` given by the
+engine (the model adapter's ``velocity`` on the FSDP-wrapped transformer), so nothing here knows the model.
+Pure torch plus ``verl_diffusion.algos``; no verl, no Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from verl_diffusion.algos.losses import LossSpec, get_loss_spec
+from verl_diffusion.algos.types import LossOutput, StateSource, StepBatch, StepNeeds, StepQuantities
+
+# velocity_fn(x_t [B,*], t [B], rows: Mapping[str, Tensor] of the same B rows) -> v [B,*]
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+
+# Keys that per-step preparation adds to a rollout batch ([B, N, *] or [B, N]); see prepare_steps().
+PREP_PREFIX = "prep/"
+
+
+@dataclass
+class DiffusionStepLoss:
+    """A registered loss bound to its config: what the engine calls per (micro-batch, trained step).
+
+    Built once per worker from ``actor.policy_loss`` (``loss_mode`` + knobs) with :func:`make_step_loss`.
+    """
+
+    spec: LossSpec
+    cfg: Any
+    # Log-prob convention of the rollout's sampler (algos.sde.LOG_PROB_CONVENTIONS).
+    log_prob_convention: str = "exact"
+    needs: StepNeeds = field(init=False)
+    state_source: StateSource = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needs = self.spec.needs_for(self.cfg)
+        self.state_source = self.spec.state_source_for(self.cfg)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def needs_reference(self) -> bool:
+        return bool(self.needs & StepNeeds.REF_VELOCITY)
+
+    def rollout_keys(self) -> set[str]:
+        """Batch keys the rollout must store for this loss (docs/data_flow.md)."""
+        keys = {"all_latents", "sigmas", "train_mask", "sde_cx", "sde_cv", "sde_std"}
+        if {"old_velocity", "old_mean"} & set(self.spec.batch_keys):
+            keys.add("old_velocities")
+        return keys
+
+    def __call__(self, q: StepQuantities, batch: StepBatch) -> LossOutput:
+        batch.require(self.spec.batch_keys, self.spec.name)
+        return self.spec.fn(q, batch, self.cfg)
+
+
+def loss_config_fields(spec: LossSpec) -> set[str]:
+    return {f.name for f in dataclasses.fields(spec.config)}
+
+
+def make_step_loss(loss_mode: str, knobs: Optional[Mapping[str, Any]] = None, *,
+                   log_prob_convention: str = "exact") -> DiffusionStepLoss:
+    """Look the loss up by name and build its config dataclass from the knobs it has.
+
+    Unknown knobs raise one line naming them and listing the accepted ones (a typo never trains silently
+    with a default).
+    """
+    spec = get_loss_spec(loss_mode)
+    knobs = {k: v for k, v in dict(knobs or {}).items() if v is not None}
+    accepted = loss_config_fields(spec)
+    unknown = sorted(set(knobs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss has knobs {unknown} that loss_mode={loss_mode!r} does not "
+            f"take; accepted: {sorted(accepted)}")
+    return DiffusionStepLoss(spec, spec.config(**knobs), log_prob_convention=log_prob_convention)
+
+
+def _col(rows: Mapping[str, torch.Tensor], key: str, k: int) -> Optional[torch.Tensor]:
+    val = rows.get(key, None) if hasattr(rows, "get") else None
+    return None if val is None else val[:, k]
+
+
+def step_tensors(rows: Mapping[str, torch.Tensor], k: int) -> dict[str, Optional[torch.Tensor]]:
+    """Every per-item tensor of step ``k`` the engine or a loss may read (views, no copies)."""
+    lat = rows["all_latents"]
+    sig = rows["sigmas"]
+    out: dict[str, Optional[torch.Tensor]] = {
+        "x_t": lat[:, k], "x_next": lat[:, k + 1], "t": sig[:, k], "t_next": sig[:, k + 1],
+        "c_x": _col(rows, "sde_cx", k), "c_v": _col(rows, "sde_cv", k), "std": _col(rows, "sde_std", k),
+        "x0": lat[:, -1],
+        "old_log_prob": _col(rows, "old_log_probs", k),
+        "advantages": _col(rows, "advantages", k),
+        "old_velocity": _col(rows, "old_velocities", k),
+        "group_ids": rows.get("group_ids", None),
+    }
+    if out["old_log_prob"] is None:
+        out["old_log_prob"] = _col(rows, "rollout_log_probs", k)
+    if out["old_velocity"] is not None and out["c_x"] is not None:
+        from verl_diffusion.algos.sde import StepCoefficients, step_mean
+
+        out["old_mean"] = step_mean(out["x_t"], out["old_velocity"],
+                                    StepCoefficients(out["c_x"], out["c_v"], out["std"]))
+    else:
+        out["old_mean"] = None
+    # Prepared per-step tensors (forward-noising states, fresh old velocities, path-space direction).
+    for name in ("x_t", "t", "noise", "value_direction", "fresh_old_velocity", "step_advantages"):
+        val = _col(rows, PREP_PREFIX + name, k)
+        if val is not None:
+            out[name] = val
+    return out
+
+
+def build_step_batch(loss: DiffusionStepLoss, st: Mapping[str, Optional[torch.Tensor]]) -> StepBatch:
+    """StepBatch with ``advantages`` and exactly the fields ``loss.spec.batch_keys`` names."""
+    if st.get("advantages") is None:
+        raise ValueError("the batch has no 'advantages'; the trainer computes them before update_actor")
+    names = {f.name for f in dataclasses.fields(StepBatch)}
+    kwargs = {"advantages": st["advantages"]}
+    for key in loss.spec.batch_keys:
+        if key not in names:
+            raise ValueError(f"loss {loss.name!r} declares batch key {key!r}, which StepBatch has no field for")
+        if key != "advantages":
+            kwargs[key] = st.get(key)
+    return StepBatch(**kwargs)
+
+
+def compute_step_quantities(loss: DiffusionStepLoss, st: Mapping[str, Optional[torch.Tensor]], *,
+                            velocity_fn: VelocityFn, rows: Mapping[str, torch.Tensor],
+                            ref_velocity_fn: Optional[VelocityFn] = None) -> StepQuantities:
+    """The θ-dependent quantities ``loss.needs`` declares, nothing more (one trainable forward at most)."""
+    from verl_diffusion.algos.sde import StepCoefficients, gaussian_log_prob, step_mean
+
+    needs = loss.needs
+    q = StepQuantities()
+    if needs & (StepNeeds.VELOCITY | StepNeeds.MEAN | StepNeeds.LOG_PROB):
+        q.velocity = velocity_fn(st["x_t"], st["t"], rows)
+    if needs & (StepNeeds.MEAN | StepNeeds.LOG_PROB):
+        q.mean = step_mean(st["x_t"], q.velocity, StepCoefficients(st["c_x"], st["c_v"], st["std"]))
+    if needs & StepNeeds.LOG_PROB:
+        q.log_prob = gaussian_log_prob(st["x_next"], q.mean, st["std"], convention=loss.log_prob_convention)
+    if needs & StepNeeds.REF_VELOCITY:
+        if ref_velocity_fn is None:
+            raise ValueError(f"loss {loss.name!r} needs REF_VELOCITY (kl_coef > 0) but the worker has no reference")
+        with torch.no_grad():
+            q.ref_velocity = ref_velocity_fn(st["x_t"], st["t"], rows).detach()
+    if needs & StepNeeds.OLD_VELOCITY_FRESH:
+        v = st.get("fresh_old_velocity")
+        if v is None:
+            raise ValueError(f"loss {loss.name!r} needs OLD_VELOCITY_FRESH; prepare_steps() computes it before "
+                             "the update")
+        q.old_velocity = v
+    return q
+
+
+def step_log_probs(st: Mapping[str, Optional[torch.Tensor]], velocity: torch.Tensor, *,
+                   convention: str = "exact") -> torch.Tensor:
+    """ℓ_θ(x_next | x_t) [B] for an already computed velocity (off-policy old-log-prob recompute)."""
+    from verl_diffusion.algos.sde import StepCoefficients, gaussian_log_prob, step_mean
+
+    mean = step_mean(st["x_t"], velocity, StepCoefficients(st["c_x"], st["c_v"], st["std"]))
+    return gaussian_log_prob(st["x_next"], mean, st["std"], convention=convention)
+
+
+def trained_steps(train_mask: torch.Tensor) -> list[int]:
+    """Steps k where any row of the batch is trained ([B, N] int mask -> sorted list)."""
+    return [int(k) for k in torch.nonzero(train_mask.bool().any(dim=0)).flatten().tolist()]
+
+
+def _slice_rows(sb: StepBatch, idx: torch.Tensor) -> StepBatch:
+    return StepBatch(**{f.name: (None if getattr(sb, f.name) is None else getattr(sb, f.name)[idx])
+                        for f in dataclasses.fields(StepBatch)})
+
+
+def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[VelocityFn] = None,
+                  generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+    """θ-independent per-step pre-processing over the *whole* local batch, before mini-batching.
+
+    * ``forward_noising`` losses: fresh states x_t = (1 − t)·x0 + t·ε at each trained step's grid time;
+    * ``OLD_VELOCITY_FRESH``: v_old at those states with the current (= old) weights, no grad;
+    * the loss's ``prepare`` hook (e.g. path-space ĝ), once per trained step, complete groups.
+
+    Returns new ``prep/<name>`` tensors [B, N, *] (zeros at untrained steps) to add to the batch.
+    """
+    spec = loss.spec
+    steps = trained_steps(rows["train_mask"])
+    fresh = loss.state_source == StateSource.FORWARD_NOISING
+    need_old = bool(loss.needs & StepNeeds.OLD_VELOCITY_FRESH)
+    if not (fresh or need_old or spec.prepare is not None):
+        return {}
+    lat = rows["all_latents"]
+    B, N = rows["train_mask"].shape
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, k: int, val: torch.Tensor) -> None:
+        if name not in out:
+            out[name] = torch.zeros((B, N) + tuple(val.shape[1:]), dtype=val.dtype)
+        out[name][:, k] = val.detach()
+
+    for k in steps:
+        st = step_tensors(rows, k)
+        if fresh:
+            t = st["t"]
+            noise = torch.randn(lat[:, -1].shape, generator=generator, dtype=lat.dtype)
+            tt = t.reshape(-1, *([1] * (lat.dim() - 2))).to(lat.dtype)
+            x_t = (1.0 - tt) * st["x0"] + tt * noise
+            st["x_t"], st["noise"] = x_t, noise
+            put(PREP_PREFIX + "x_t", k, x_t)
+            put(PREP_PREFIX + "noise", k, noise)
+        if need_old:
+            if velocity_fn is None:
+                raise ValueError(f"loss {loss.name!r} needs OLD_VELOCITY_FRESH but no velocity_fn was given")
+            with torch.no_grad():
+                v_old = velocity_fn(st["x_t"], st["t"], rows)
+            st["fresh_old_velocity"] = v_old
+            put(PREP_PREFIX + "fresh_old_velocity", k, v_old)
+        if spec.prepare is not None:
+            sb = build_step_batch(loss, {**st, "old_velocity": st.get("old_velocity", st.get("fresh_old_velocity"))})
+            sb = spec.prepare(sb, loss.cfg)
+            if sb.value_direction is not None:
+                put(PREP_PREFIX + "value_direction", k, sb.value_direction)
+            if sb.step_advantages is not None:
+                put(PREP_PREFIX + "step_advantages", k, sb.step_advantages)
+    return out
+
+
+def run_step_loss(loss: DiffusionStepLoss, rows: Mapping[str, torch.Tensor], k: int, *,
+                  velocity_fn: VelocityFn, ref_velocity_fn: Optional[VelocityFn] = None
+                  ) -> tuple[Optional[LossOutput], int, StepQuantities, dict]:
+    """Forward the micro-batch ``rows`` at step ``k`` and apply the loss to the rows trained at k.
+
+    All rows are forwarded (the same batch composition as the rollout, so the on-policy log-prob is
+    bitwise the rollout's); the loss sees only items whose ``train_mask`` is 1.
+    Returns (LossOutput or None when no row is trained at k, number of items, quantities, step tensors).
+    """
+    st = step_tensors(rows, k)
+    q = compute_step_quantities(loss, st, velocity_fn=velocity_fn, rows=rows, ref_velocity_fn=ref_velocity_fn)
+    mask = rows["train_mask"][:, k].bool()
+    n = int(mask.sum())
+    if n == 0:
+        return None, 0, q, st
+    batch = build_step_batch(loss, st)
+    if n < mask.numel():
+        idx = torch.nonzero(mask).flatten()
+        batch = _slice_rows(batch, idx)
+        q_items = StepQuantities(**{f.name: (None if getattr(q, f.name) is None else getattr(q, f.name)[idx])
+                                    for f in dataclasses.fields(StepQuantities)})
+    else:
+        q_items = q
+    batch.check_shapes()
+    return loss(q_items, batch), n, q, st
