@@ -1,0 +1,148 @@
+"""GenEval reward: a client for the object-detection reward server (protocol in ``_protocol.py``).
+
+Each row's GenEval metadata (``tag``, ``include`` / ``exclude`` requirements, ``prompt``) comes from
+``reward_model.ground_truth`` (a JSON string or a dict, as data_process/geneval.py writes it). Images go
+as JPEG bytes, ``batch_size`` per request.
+
+The training score is the server's partial credit (``scores``). The per-sample ``accuracy``
+(``rewards``), ``strict_accuracy`` (``strict_rewards``) and ``strict_accuracy/<tag>`` are returned as
+details, so validation logs ``reward/geneval/strict_accuracy/<tag>``.
+
+Failure handling: a request that times out, gets a 5xx or loses its connection is retried
+``max_retries`` times with exponential backoff (``backoff`` · 2^attempt, at most ``max_backoff`` s); a 4xx
+is not retried. A batch that still fails gives NaN for its samples (MultiReward applies the penalty and
+counts them, logging the cause from ``RewardOutput.errors``) and the other batches keep their scores.
+Per-tag strict accuracy is grouped by each row's own ``tag``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from verl_diffusion.rewards._protocol import dumps, safe_loads
+from verl_diffusion.rewards.base import Reward, RewardOutput, encode_jpeg, register_reward, row_ground_truth
+
+logger = logging.getLogger(__name__)
+
+
+class GenEvalServerError(RuntimeError):
+    """The server did not answer usefully after all retries."""
+
+
+def geneval_metadata(meta: Mapping[str, Any] | None) -> dict | None:
+    """The GenEval requirement dict of one row, or None. Accepts the row's metadata (``reward_model``
+    with ``ground_truth`` as JSON text or dict) or a bare GenEval dict (has ``include``)."""
+    if not meta:
+        return None
+    if "include" in meta and "tag" in meta:
+        return dict(meta)
+    gt = row_ground_truth(meta)
+    if isinstance(gt, str):
+        try:
+            gt = json.loads(gt)
+        except json.JSONDecodeError:
+            return None
+    return dict(gt) if isinstance(gt, Mapping) and "include" in gt else None
+
+
+@register_reward("geneval")
+class GenEvalReward(Reward):
+    """Options: ``url`` (http://127.0.0.1:18085), ``batch_size`` (64), ``timeout`` (120 s per request),
+    ``max_retries`` (3), ``backoff`` (1 s), ``max_backoff`` (30 s), ``jpeg_quality`` (75: PIL's default,
+    as Flow-GRPO sends), ``only_strict`` (False), ``score_key`` (scores | rewards | strict_rewards)."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:18085",
+        batch_size: int = 64,
+        timeout: float = 120.0,
+        max_retries: int = 3,
+        backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        jpeg_quality: int = 75,
+        only_strict: bool = False,
+        score_key: str = "scores",
+    ):
+        if score_key not in ("scores", "rewards", "strict_rewards"):
+            raise ValueError(f"geneval: score_key={score_key!r}; choose scores | rewards | strict_rewards")
+        self.url, self.batch_size, self.timeout = url, int(batch_size), float(timeout)
+        self.max_retries, self.backoff, self.max_backoff = int(max_retries), float(backoff), float(max_backoff)
+        self.jpeg_quality, self.only_strict, self.score_key = int(jpeg_quality), bool(only_strict), score_key
+        self.last_errors: list[str] = []
+        self._ready = False
+
+    # -- transport -------------------------------------------------------------------------------------
+    def post(self, payload: dict) -> dict:
+        """One request with retries; returns the validated reply dict or raises GenEvalServerError."""
+        body = dumps(payload)
+        n = len(payload["images"])
+        last = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
+            req = urllib.request.Request(
+                self.url, data=body, method="POST", headers={"Content-Type": "application/octet-stream"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    reply = safe_loads(resp.read())
+                return self._check_reply(reply, n)
+            except urllib.error.HTTPError as e:
+                text = e.read()[:300].decode("utf-8", "replace").strip().splitlines()
+                last = f"HTTP {e.code} from {self.url}: {text[-1] if text else e.reason}"
+                if 400 <= e.code < 500:
+                    break  # the request itself is wrong; retrying cannot help
+            except (TimeoutError, OSError, urllib.error.URLError, ConnectionError) as e:
+                last = f"{type(e).__name__} talking to {self.url}: {e}"
+            except ValueError as e:  # malformed reply
+                last = f"bad reply from {self.url}: {e}"
+            except Exception as e:  # unpickling errors and anything unexpected
+                last = f"{type(e).__name__} from {self.url}: {e}"
+            logger.debug("geneval attempt %d/%d failed: %s", attempt + 1, self.max_retries + 1, last)
+        raise GenEvalServerError(f"{last} (after {self.max_retries + 1} attempts)")
+
+    @staticmethod
+    def _check_reply(reply: Any, n: int) -> dict:
+        if not isinstance(reply, dict):
+            raise ValueError(f"expected a dict, got {type(reply).__name__}")
+        for key in ("scores", "rewards", "strict_rewards"):
+            if key not in reply or len(reply[key]) != n:
+                raise ValueError(f"key {key!r} missing or not of length {n} (keys: {sorted(reply)})")
+        return reply
+
+    # -- scoring ---------------------------------------------------------------------------------------
+    def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict]) -> RewardOutput:
+        n = len(images)
+        metas = [geneval_metadata(m) for m in metadata]
+        out = {k: np.full(n, np.nan) for k in ("scores", "rewards", "strict_rewards")}
+        per_tag: dict[str, np.ndarray] = {}
+        self.last_errors = []
+        valid = [i for i in range(n) if metas[i] is not None]
+        for s in range(0, len(valid), self.batch_size):
+            idx = valid[s : s + self.batch_size]
+            payload = {
+                "images": [encode_jpeg(images[i], self.jpeg_quality) for i in idx],
+                "meta_datas": [metas[i] for i in idx],
+                "only_strict": self.only_strict,
+            }
+            try:
+                reply = self.post(payload)
+            except GenEvalServerError as e:
+                self.last_errors.append(str(e))
+                continue
+            for key in out:
+                out[key][idx] = np.asarray(reply[key], dtype=np.float64)
+            for i, strict in zip(idx, out["strict_rewards"][idx]):
+                tag = str(metas[i].get("tag", "unknown"))
+                per_tag.setdefault(tag, np.full(n, np.nan))[i] = strict
+        details = {"accuracy": out["rewards"], "strict_accuracy": out["strict_rewards"]}
+        details.update({f"strict_accuracy/{tag}": v for tag, v in per_tag.items()})
+        return RewardOutput(out[self.score_key], details, errors=list(self.last_errors))
