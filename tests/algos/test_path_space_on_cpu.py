@@ -435,7 +435,15 @@ def test_registration_needs_and_batch_keys():
     assert {"x_next", "c_x", "c_v", "std"} <= set(spec.batch_keys_for(sto))
     fwd = ps.PathSpaceConfig(preset="nft", kl_coef=0.0)
     assert spec.needs_for(fwd) == StepNeeds.VELOCITY | StepNeeds.OLD_VELOCITY_FRESH
-    assert set(spec.batch_keys_for(fwd)) == {"advantages", "x0", "noise", "t"}
+    assert set(spec.batch_keys_for(fwd)) == {"advantages", "x_t", "x0", "t", "value_direction"}
+    # the static declaration covers every config (the engine fills exactly spec.batch_keys)
+    for name in ps.PATH_SPACE_PRESETS:
+        for est in ps.ESTIMATORS:
+            try:
+                c = ps.PathSpaceConfig(preset=name, estimator=est, kl_mode="exact")
+            except ValueError:
+                continue
+            assert set(spec.batch_keys_for(c)) <= set(spec.batch_keys), (name, est)
     assert spec.state_source_for(fwd) == StateSource.FORWARD_NOISING
     with pytest.raises(ValueError, match="estimator"):
         ps.PathSpaceConfig(estimator="bogus")
@@ -451,3 +459,38 @@ def test_prepare_missing_field_names_it():
     batch.group_ids = None
     with pytest.raises(ValueError, match="group_ids"):
         ps.prepare_path_space(batch, ps.PathSpaceConfig())
+
+
+# ---------------------------------------------------------------- engine glue (workers/step_loss.py)
+def _rows(gen, B=6, N=4, shape=(2, 3)):
+    sig = sde.make_grid(N, 3.0, dtype=torch.float32)
+    lat = torch.randn(B, N + 1, *shape, generator=gen)
+    coefs = [sde.sampler_coefficients("flow_sde", sig, k, noise_level=0.7) for k in range(N)]
+    return {
+        "all_latents": lat, "sigmas": sig.expand(B, N + 1).clone(),
+        "train_mask": torch.ones(B, N, dtype=torch.int32),
+        "sde_cx": torch.stack([c.c_x for c in coefs]).expand(B, N).clone(),
+        "sde_cv": torch.stack([c.c_v for c in coefs]).expand(B, N).clone(),
+        "sde_std": torch.stack([c.std for c in coefs]).expand(B, N).clone(),
+        "old_velocities": torch.randn(B, N, *shape, generator=gen),
+        "advantages": torch.randn(B, 1, generator=gen).expand(B, N).clone(),
+        "group_ids": torch.arange(B) // 3,
+    }
+
+
+@pytest.mark.parametrize("preset,xt_source", [("ps_kde", None), ("ps_sto", None), ("ps_det", "forward_noising"),
+                                              ("nft", None)])
+def test_registered_loss_runs_through_engine_glue(preset, xt_source):
+    from verl_diffusion.workers.step_loss import make_step_loss, prepare_steps, run_step_loss
+
+    gen = torch.Generator().manual_seed(60)
+    rows = _rows(gen)
+    knobs = {"preset": preset, "kl_coef": 0.0, "xt_source": xt_source}
+    loss = make_step_loss("path_space", knobs)
+    w = torch.tensor(0.9, requires_grad=True)
+    vfn = lambda x, t, r: w * x  # noqa: E731
+    rows.update(prepare_steps(loss, rows, velocity_fn=vfn, generator=gen))
+    out, n, q, st = run_step_loss(loss, rows, 1, velocity_fn=vfn)
+    assert n == 6 and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert w.grad is not None and torch.isfinite(w.grad)

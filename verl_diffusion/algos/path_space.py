@@ -386,9 +386,11 @@ def path_space_requirements(cfg: PathSpaceConfig):
 
     trajectory: the prepare hook reads x_t, t, x0, old_velocity, advantages, group_ids (+ x_next, c_x, c_v,
     std for stochastic) and writes value_direction; the loss reads value_direction, old_velocity, t,
-    advantages (+ sampler coefficients for the exact presets). forward_noising: x0, noise, t, advantages and
-    a fresh no-grad v_old (OLD_VELOCITY_FRESH); KDE in this mode also needs old_velocity filled for the
-    whole batch before ``prepare`` (the KDE control variate uses v_old at every anchor).
+    advantages (+ sampler coefficients / t_next for the exact presets and Gaussian KL modes).
+    forward_noising: x_t = (1−t)·x0 + t·ε (or x0, noise), t, advantages and the fresh no-grad v_old
+    (OLD_VELOCITY_FRESH). The prepare hook receives that fresh v_old as ``old_velocity`` (the engine
+    computes it over the whole batch before ``prepare``); the KDE control variate needs it at every
+    anchor, the one-sample direction is recomputed per item in the loss from ``q.old_velocity``.
     """
     needs = StepNeeds.VELOCITY
     if cfg.kl_coef > 0:
@@ -404,11 +406,18 @@ def path_space_requirements(cfg: PathSpaceConfig):
         loss = ("advantages", "t", "old_velocity", "value_direction") + coef
     else:
         needs |= StepNeeds.OLD_VELOCITY_FRESH
-        prep = ("advantages", "x0", "noise", "t")
+        prep = ("advantages", "x_t", "x0", "t")
         if cfg.estimator == "kde":
             prep = prep + ("group_ids", "old_velocity")
-        loss = ("advantages", "x0", "noise", "t") + coef
+        loss = ("advantages", "x_t", "x0", "t", "value_direction") + coef
     return needs, tuple(dict.fromkeys(prep)), tuple(dict.fromkeys(loss))
+
+
+# Static declaration for the engine (workers/step_loss.py fills exactly these StepBatch fields and checks
+# them before the loss): the union over every config of fields a rollout always provides, so one registered
+# name serves all presets. Config-precise lists: PathSpaceLossSpec.batch_keys_for / path_space_requirements.
+PATH_SPACE_BATCH_KEYS = ("advantages", "x_t", "t", "t_next", "x_next", "c_x", "c_v", "std", "x0",
+                         "old_velocity", "group_ids", "value_direction")
 
 
 def _forward_state(batch: StepBatch) -> torch.Tensor:
@@ -439,24 +448,31 @@ def compute_value_direction(batch: StepBatch, cfg: PathSpaceConfig,
         z = step_noise(x_t, batch.x_next, v_old, batch.c_x, batch.c_v, batch.std)
         return stochastic_direction(a, z)
     if cfg.estimator == "deterministic":
-        if cfg.xt_source == "forward_noising":  # v(x_t, x0) = ε − x0 exactly on the forward path
-            v = batch.noise - batch.x0
+        if cfg.xt_source == "forward_noising" and batch.noise is not None:
+            v = batch.noise - batch.x0  # v(x_t, x0) = ε − x0 exactly on the forward path
             return -_bcast(a.to(v.dtype), v) * (v - v_old)
         return deterministic_direction(x_t, batch.t, batch.x0, v_old, a)
     return kde_value_gradient(x_t, batch.t, batch.x0, v_old, a, batch.group_ids, bandwidth=cfg.kde_bandwidth)
 
 
 def prepare_path_space_with_metrics(batch: StepBatch, cfg: PathSpaceConfig):
-    """:func:`prepare_path_space` plus KDE weight metrics (entropy, max weight) of the whole step batch."""
+    """:func:`prepare_path_space` plus metrics of the whole step batch (‖ĝ‖_e; KDE weight entropy, max)."""
     _, prep_keys, _ = path_space_requirements(cfg)
-    if cfg.xt_source == "forward_noising" and cfg.estimator != "kde":
-        return batch, {}  # one-sample direction: computed per item in the loss from the fresh v_old
-    batch.require(prep_keys, "path_space (prepare)")
-    g = compute_value_direction(batch, cfg)
+    v_old = batch.old_velocity
+    if cfg.xt_source == "forward_noising":
+        if batch.x_t is None:
+            batch.require(("x0", "noise", "t"), "path_space (prepare)")
+            batch = dataclasses.replace(batch, x_t=_forward_state(batch))
+        if cfg.estimator == "deterministic" and v_old is None:
+            # The loss recomputes the one-sample direction from the fresh v_old; store the v_old-free part.
+            v_old = torch.zeros_like(batch.x_t)
+    batch.require(tuple(k for k in prep_keys if k != "old_velocity"), "path_space (prepare)")
+    if v_old is None:
+        batch.require(("old_velocity",), "path_space (prepare)")
+    g = compute_value_direction(batch, cfg, old_velocity=v_old)
     metrics = {"actor/ps_estimator_norm": float(torch.sqrt(_mean_e(g.float() ** 2)).mean())}
     if cfg.estimator == "kde":
-        x_t = batch.x_t if cfg.xt_source == "trajectory" else _forward_state(batch)
-        w, mask = kde_weights(x_t, batch.t, batch.x0, batch.group_ids, bandwidth=cfg.kde_bandwidth)
+        w, mask = kde_weights(batch.x_t, batch.t, batch.x0, batch.group_ids, bandwidth=cfg.kde_bandwidth)
         metrics.update(kde_weight_metrics(w, mask))
     return dataclasses.replace(batch, value_direction=g), metrics
 
@@ -490,12 +506,12 @@ def path_space_loss_entry(q: StepQuantities, batch: StepBatch, cfg: PathSpaceCon
             raise ValueError("path_space with xt_source='forward_noising' needs the fresh no-grad v_old "
                              "(StepNeeds.OLD_VELOCITY_FRESH) in StepQuantities.old_velocity")
         v_old = q.old_velocity
-        g = batch.value_direction
-        if g is None:
-            if cfg.estimator == "kde":
-                raise ValueError("path_space kde + forward_noising: value_direction is None; run the prepare "
-                                 "hook over complete groups (with old_velocity filled) first")
-            batch.require(keys, "path_space")
+        if cfg.estimator == "kde":
+            batch.require(("value_direction",), "path_space")
+            g = batch.value_direction
+        else:  # one-sample direction: per item, from the fresh v_old
+            if batch.x_t is None:
+                batch.require(("x0", "noise", "t"), "path_space")
             g = compute_value_direction(batch, cfg, old_velocity=v_old)
     else:
         batch.require(keys, "path_space")
@@ -542,8 +558,7 @@ class PathSpaceLossSpec(LossSpec):
         return tuple(dict.fromkeys(prep + loss))
 
 
-register_loss("path_space", needs=_DEFAULT_NEEDS & ~StepNeeds.REF_VELOCITY,
-              batch_keys=tuple(dict.fromkeys(_DEFAULT_PREP_KEYS + _DEFAULT_LOSS_KEYS)),
+register_loss("path_space", needs=_DEFAULT_NEEDS & ~StepNeeds.REF_VELOCITY, batch_keys=PATH_SPACE_BATCH_KEYS,
               config=PathSpaceConfig, state_source=StateSource.TRAJECTORY,
               prepare=prepare_path_space)(path_space_loss_entry)
 LOSSES["path_space"] = PathSpaceLossSpec(**{f.name: getattr(LOSSES["path_space"], f.name)
