@@ -79,14 +79,16 @@ def run(name, q, batch, **cfg):
 # Registry, configs, errors
 # ======================================================================================================
 
+KL = ("c_v", "std", "t", "t_next")
 EXPECTED = {
-    "flow_grpo": (StepNeeds.LOG_PROB | StepNeeds.VELOCITY, ("advantages", "old_log_prob"), FlowGrpoConfig),
-    "dance_grpo": (StepNeeds.LOG_PROB | StepNeeds.VELOCITY, ("advantages", "old_log_prob"), DanceGrpoConfig),
+    "flow_grpo": (StepNeeds.LOG_PROB | StepNeeds.VELOCITY, ("advantages", "old_log_prob") + KL, FlowGrpoConfig),
+    "dance_grpo": (StepNeeds.LOG_PROB | StepNeeds.VELOCITY, ("advantages", "old_log_prob") + KL, DanceGrpoConfig),
     "grpo_guard": (StepNeeds.MEAN | StepNeeds.VELOCITY,
-                   ("advantages", "old_mean", "x_next", "std", "t", "t_next"), GrpoGuardConfig),
-    "tempflow_grpo": (StepNeeds.LOG_PROB | StepNeeds.VELOCITY, ("advantages", "old_log_prob", "std"),
-                      TempFlowGrpoConfig),
-    "flow_dppo": (StepNeeds.MEAN | StepNeeds.VELOCITY, ("advantages", "old_mean", "x_next", "std"), FlowDppoConfig),
+                   ("advantages", "old_mean", "x_next", "std", "t", "t_next", "c_v"), GrpoGuardConfig),
+    "tempflow_grpo": (StepNeeds.LOG_PROB | StepNeeds.VELOCITY,
+                      ("advantages", "old_log_prob", "std", "c_v", "t", "t_next"), TempFlowGrpoConfig),
+    "flow_dppo": (StepNeeds.MEAN | StepNeeds.VELOCITY,
+                  ("advantages", "old_mean", "x_next", "std", "c_v", "t", "t_next"), FlowDppoConfig),
 }
 
 
@@ -96,6 +98,7 @@ def test_registry_entries(name):
     needs, keys, config = EXPECTED[name]
     assert spec.needs == needs and spec.batch_keys == keys and spec.config is config
     assert LOSSES[name] is spec
+    assert set(KL_BATCH_KEYS) <= set(spec.batch_keys)  # the engine passes only declared keys
     cfg = config()  # working defaults
     ref = bool(spec.needs_for(cfg) & StepNeeds.REF_VELOCITY)
     assert ref == (cfg.kl_coef > 0)
@@ -418,8 +421,30 @@ def test_dppo_masked_items_stay_in_denominator():
     x_next = torch.tensor([[0.5, -1.0, 1.5, 0.2], [0.1, 0.2, -0.3, 0.4]], dtype=D64)
     mu = torch.tensor([[0.01, -0.02, 0.03, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=D64)
     std = torch.tensor([0.5, 0.5], dtype=D64)
-    batch = StepBatch(advantages=torch.tensor([1.3, 0.7], dtype=D64), x_next=x_next, std=std, old_mean=mu_old)
+    batch = StepBatch(advantages=torch.tensor([1.3, 0.7], dtype=D64), x_next=x_next, std=std, old_mean=mu_old,
+                      c_v=-0.1 * torch.ones(2, dtype=D64), t=torch.full((2,), 0.8, dtype=D64),
+                      t_next=torch.full((2,), 0.7, dtype=D64))
     out = run("flow_dppo", StepQuantities(mean=mu), batch)
     # item 0: D = 7e-4 > δ and A·ℓr > 0 → blocked; item 1 on-policy: −A·1. Loss = (0 − 0.7)/2.
     assert out.metrics["actor/dppo_mask_frac"] == 0.5
     assert math.isclose(out.loss.item(), -0.35, rel_tol=1e-14)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_entries_run_on_exactly_the_declared_fields(name):
+    # The engine builds StepBatch with advantages + exactly spec.batch_keys; defaults (KL on for flow_grpo)
+    # must work from those fields alone.
+    full, v_old, v, coef, _ = make_items(dv_scale=1e-3)
+    spec = get_loss_spec(name)
+    batch = StepBatch(advantages=full.advantages, **{k: getattr(full, k) for k in spec.batch_keys})
+    cfg = spec.config()
+    needs = spec.needs_for(cfg)
+    q0 = quantities(full, v, coef, ref_velocity=v_old + 0.01)
+    q = StepQuantities(velocity=q0.velocity if needs & StepNeeds.VELOCITY else None,
+                       mean=q0.mean if needs & StepNeeds.MEAN else None,
+                       log_prob=q0.log_prob if needs & StepNeeds.LOG_PROB else None,
+                       ref_velocity=q0.ref_velocity if needs & StepNeeds.REF_VELOCITY else None)
+    out = spec.fn(q, batch, cfg)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert v.grad is not None and torch.isfinite(v.grad).all()

@@ -13,7 +13,10 @@ loss is the mean over items (masked items contribute 0 and stay in the denominat
 (one item = one (sample, step) pair), ``*`` latent dims.
 
 KL to the reference is on when ``cfg.kl_coef > 0`` (``LossSpec.needs_for`` then adds ``REF_VELOCITY``); it
-reads the StepBatch fields :data:`KL_BATCH_KEYS` in addition to the loss's declared ``batch_keys``.
+reads q.velocity, q.ref_velocity and the StepBatch fields :data:`KL_BATCH_KEYS`. ``batch_keys`` is static and
+the engine hands over exactly those fields, so every entry declares :data:`KL_BATCH_KEYS` too (the rollout
+always stores them: ``sigmas``, ``sde_cv``, ``sde_std``); likewise ``VELOCITY`` is declared for the KL (it
+costs nothing: the same trainable forward produces the log-prob / mean).
 """
 
 from __future__ import annotations
@@ -492,10 +495,16 @@ def _output(per_item: torch.Tensor, metrics: Metrics) -> LossOutput:
     return LossOutput(loss=per_item.mean(), metrics=dict(zip(names, values)))
 
 
+def _keys(*names: str) -> tuple[str, ...]:
+    """The loss's own StepBatch fields followed by the reference-KL fields (deduplicated, ordered)."""
+    return tuple(dict.fromkeys(names + KL_BATCH_KEYS))
+
+
 _GRPO_NEEDS = StepNeeds.LOG_PROB | StepNeeds.VELOCITY  # VELOCITY: only read by the reference KL
+_GRPO_KEYS = _keys("advantages", "old_log_prob")
 
 
-@register_loss("flow_grpo", needs=_GRPO_NEEDS, batch_keys=("advantages", "old_log_prob"), config=FlowGrpoConfig)
+@register_loss("flow_grpo", needs=_GRPO_NEEDS, batch_keys=_GRPO_KEYS, config=FlowGrpoConfig)
 def flow_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: FlowGrpoConfig) -> LossOutput:
     """Flow-GRPO (SPEC §3.1): clipped surrogate on q.log_prob vs batch.old_log_prob + β·KL."""
     batch.require(("advantages", "old_log_prob"), "flow_grpo")
@@ -507,7 +516,7 @@ def flow_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: FlowGrpoConfig) ->
     return _output(per_item, metrics)
 
 
-@register_loss("dance_grpo", needs=_GRPO_NEEDS, batch_keys=("advantages", "old_log_prob"), config=DanceGrpoConfig)
+@register_loss("dance_grpo", needs=_GRPO_NEEDS, batch_keys=_GRPO_KEYS, config=DanceGrpoConfig)
 def dance_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: DanceGrpoConfig) -> LossOutput:
     """DanceGRPO (SPEC §3.1 preset): the Flow-GRPO surrogate; Dance-SDE coefficients come from the sampler."""
     batch.require(("advantages", "old_log_prob"), "dance_grpo")
@@ -519,7 +528,7 @@ def dance_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: DanceGrpoConfig) 
     return _output(per_item, metrics)
 
 
-_GUARD_KEYS = ("advantages", "old_mean", "x_next", "std", "t", "t_next")
+_GUARD_KEYS = _keys("advantages", "old_mean", "x_next", "std", "t", "t_next")
 
 
 @register_loss("grpo_guard", needs=StepNeeds.MEAN | StepNeeds.VELOCITY, batch_keys=_GUARD_KEYS,
@@ -535,7 +544,8 @@ def grpo_guard_entry(q: StepQuantities, batch: StepBatch, cfg: GrpoGuardConfig) 
     return _output(per_item, metrics)
 
 
-_TEMPFLOW_KEYS = ("advantages", "old_log_prob", "std")
+# step_advantages is optional (branched rollouts only), so it is not a required batch key.
+_TEMPFLOW_KEYS = _keys("advantages", "old_log_prob", "std")
 
 
 @register_loss("tempflow_grpo", needs=_GRPO_NEEDS, batch_keys=_TEMPFLOW_KEYS, config=TempFlowGrpoConfig)
@@ -551,7 +561,7 @@ def tempflow_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: TempFlowGrpoCo
     return _output(per_item, metrics)
 
 
-_DPPO_KEYS = ("advantages", "old_mean", "x_next", "std")
+_DPPO_KEYS = _keys("advantages", "old_mean", "x_next", "std")
 
 
 @register_loss("flow_dppo", needs=StepNeeds.MEAN | StepNeeds.VELOCITY, batch_keys=_DPPO_KEYS,
