@@ -1,0 +1,279 @@
+"""In-worker diffusers rollout: our own sampling loop over a model adapter and ``algos.sde`` (DESIGN §3.2).
+
+Every step, stochastic or not, goes through :mod:`verl_diffusion.algos.sde` (``sampler_coefficients``,
+``step_mean``, ``sde_step``), the functions the engine calls again in training; the rollout stores exactly
+the tensors it used (states, coefficients, velocities), so an on-policy recomputation of the log-prob is
+bitwise the rollout's (SPEC §1.2, docs/data_flow.md).
+
+RNG: one CPU ``torch.Generator`` seeded by ``seed`` draws, in this order, the window start (``random``
+mode), the initial noise (one per sample, or one per group), then z_k [B, *] for each stochastic step k in
+increasing k. All draws happen before the first forward, so the result does not depend on the
+micro-batch size or the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from verl_diffusion.algos.losses import check_choice
+from verl_diffusion.algos.sde import (LOG_PROB_CONVENTIONS, SAMPLERS, make_grid, sampler_coefficients,
+                                      sde_step, step_mean)
+from verl_diffusion.algos.windows import SdeWindowConfig, stochastic_steps, window_steps
+from verl_diffusion.models.base import Conditioning
+
+__all__ = ["RolloutConfig", "DiffusersRollout", "ROLLOUT_KEYS"]
+
+# Keys of generate()'s output (docs/data_flow.md); ``old_velocities`` only with store_velocities, the
+# ``negative_*`` embeddings only with CFG (guidance_scale != 1).
+ROLLOUT_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
+                "prompt_embeds", "pooled_prompt_embeds", "images")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling knobs of the diffusers rollout (SPEC §1)."""
+
+    # Sampling steps N of a training rollout.
+    num_steps: int = 10
+    # Grid shift S (SPEC §1.1; SD3/SD3.5: 3).
+    shift: float = 3.0
+    # Stochastic sampler inside the window: flow_sde | cps | dance | ode.
+    sampler: str = "flow_sde"
+    # a (flow_sde, cps) or η_D (dance).
+    noise_level: float = 0.7
+    # Which steps are stochastic and trained (SPEC §1.8).
+    window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
+    # Log-prob convention stored in rollout_log_probs: exact | unnormalized (SPEC §1.2, §1.4).
+    log_prob_convention: str = "exact"
+    # One initial noise per group instead of per sample (SPEC §1.8).
+    same_noise_per_group: bool = False
+    # CFG scale; 1 disables CFG (the trained velocity is then the conditional one).
+    guidance_scale: float = 1.0
+    # Image size in pixels.
+    height: int = 512
+    width: int = 512
+    # Samples per transformer forward.
+    micro_batch_size: int = 8
+    # Store v_old at the trained steps (old_velocities) for losses that read it.
+    store_velocities: bool = False
+    # Steps of the ODE validation sampler (SPEC §1.6: 40 for SD3.5).
+    val_num_steps: int = 40
+
+    def __post_init__(self):
+        check_choice("rollout.sde.type", self.sampler, SAMPLERS)
+        check_choice("rollout.log_prob_convention", self.log_prob_convention, LOG_PROB_CONVENTIONS)
+        for name in ("num_steps", "micro_batch_size", "val_num_steps", "height", "width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"rollout.{name}={value!r} is invalid; pass an int >= 1")
+        if isinstance(self.window, dict):
+            self.window = SdeWindowConfig(**self.window)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DiffusersRollout:
+    """Generates training rollouts (SDE in the window, ODE elsewhere) and ODE validation images.
+
+    Args: adapter: a ``FlowModelAdapter`` (``velocity``, ``encode_prompt``, ``decode``, ``latent_shape``).
+      cfg: :class:`RolloutConfig`.
+    After each call, ``self.metrics`` holds ``perf/...`` and ``rollout/...`` floats.
+    """
+
+    def __init__(self, adapter, cfg: RolloutConfig):
+        self.adapter = adapter
+        self.cfg = cfg
+        self.metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.adapter.device)
+
+    def encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
+        """Encode each distinct prompt once (micro-batched), then index: a group shares one encoding."""
+        unique = list(dict.fromkeys(prompts))
+        mb = self.cfg.micro_batch_size
+        cond = Conditioning.cat([self.adapter.encode_prompt(unique[i:i + mb]) for i in range(0, len(unique), mb)])
+        pos = {p: i for i, p in enumerate(unique)}
+        return cond.index_select(torch.tensor([pos[p] for p in prompts], device=cond.prompt_embeds.device))
+
+    def _negative(self, n: int) -> Optional[Conditioning]:
+        if self.cfg.guidance_scale == 1.0:
+            return None
+        return self.adapter.encode_prompt([""]).index_select(torch.zeros(n, dtype=torch.long))
+
+    def _latent_shape(self, height: Optional[int] = None, width: Optional[int] = None) -> tuple[int, ...]:
+        return tuple(self.adapter.latent_shape(height or self.cfg.height, width or self.cfg.width))
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.no_grad()
+    def run_trajectory(self, cond: Conditioning, x_init: torch.Tensor, *, sigmas: torch.Tensor,
+                       stochastic: Sequence[int] = (), trained: Sequence[int] = (),
+                       step_noise: Optional[dict[int, torch.Tensor]] = None, store_velocities: bool = False,
+                       negative_cond: Optional[Conditioning] = None) -> dict[str, torch.Tensor]:
+        """One micro-batch through all N steps: ``sampler`` at ``stochastic`` steps, ODE elsewhere.
+
+        Args: cond: Conditioning [b].  x_init: x_{t_0} [b, *] float32 on the device.  sigmas: [b, N+1].
+          stochastic: steps drawn with the sampler (need ``step_noise[k]`` [b, *]).  trained: steps whose
+          log-prob (and velocity) are stored; τ_k must be > 0 there (else the step is masked out).
+        Returns: all_latents [b, N+1, *], train_mask [b, N] int32, rollout_log_probs, sde_cx, sde_cv,
+          sde_std [b, N], and old_velocities [b, N, *] when ``store_velocities``.
+        """
+        cfg = self.cfg
+        b, n = x_init.shape[0], sigmas.shape[1] - 1
+        stochastic, trained = set(stochastic), set(trained)
+        latents = torch.empty((b, n + 1, *x_init.shape[1:]), dtype=x_init.dtype, device=x_init.device)
+        zeros = dict(dtype=sigmas.dtype, device=sigmas.device)
+        log_probs, cx, cv, std = (torch.zeros((b, n), **zeros) for _ in range(4))
+        mask = torch.zeros((b, n), dtype=torch.int32, device=sigmas.device)
+        velocities = torch.zeros_like(latents[:, :n]) if store_velocities else None
+        x = x_init
+        latents[:, 0] = x
+        for k in range(n):
+            v = self.adapter.velocity(x, sigmas[:, k], cond, guidance_scale=cfg.guidance_scale,
+                                      negative_cond=negative_cond)
+            if k in stochastic:
+                coef = sampler_coefficients(cfg.sampler, sigmas, k, noise_level=cfg.noise_level)
+                out = sde_step(x, v, coef, noise=step_noise[k], convention=cfg.log_prob_convention)
+                x = out.next_x
+                if k in trained and out.log_prob is not None:
+                    on = coef.std > 0
+                    mask[:, k] = on.to(torch.int32)
+                    log_probs[:, k] = torch.where(on, out.log_prob, torch.zeros_like(out.log_prob))
+                    if velocities is not None:
+                        velocities[:, k] = v
+            else:
+                coef = sampler_coefficients("ode", sigmas, k, noise_level=0.0)
+                x = step_mean(x, v, coef)
+            cx[:, k], cv[:, k], std[:, k] = coef.c_x, coef.c_v, coef.std
+            latents[:, k + 1] = x
+        out = {"all_latents": latents, "train_mask": mask, "rollout_log_probs": log_probs,
+               "sde_cx": cx, "sde_cv": cv, "sde_std": std}
+        if velocities is not None:
+            out["old_velocities"] = velocities
+        return out
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], group_ids: torch.Tensor, *, seed: int, iteration: int = 0,
+                 store_velocities: Optional[bool] = None,
+                 initial_noise: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        """A training rollout batch (docs/data_flow.md keys).
+
+        Args: prompts: B strings (a group repeats its prompt).  group_ids: LongTensor [B], the group of each
+          sample (``uid``).  seed: seeds every draw (same seed → bitwise same batch).  iteration: training
+          iteration (progressive window).  store_velocities: overrides ``cfg.store_velocities``.
+          initial_noise: x_{t_0} [B, *] to use instead of drawing it (tests, branched rollouts).
+        Returns: all_latents [B, N+1, *], sigmas [B, N+1], train_mask [B, N] int32, rollout_log_probs /
+          sde_cx / sde_cv / sde_std [B, N], old_velocities [B, N, *] (if stored), prompt_embeds [B, L, D],
+          pooled_prompt_embeds [B, D'], images [B, 3, H, W] uint8; plus negative_prompt_embeds /
+          negative_pooled_prompt_embeds when guidance_scale != 1. All on CPU.
+        """
+        cfg = self.cfg
+        store = cfg.store_velocities if store_velocities is None else store_velocities
+        group_ids = torch.as_tensor(group_ids, dtype=torch.long).cpu()
+        bsz = len(prompts)
+        if group_ids.shape != (bsz,):
+            raise ValueError(f"group_ids has shape {tuple(group_ids.shape)} but there are {bsz} prompts; "
+                             "pass one group id per sample (LongTensor [B])")
+        device = self.device
+        _sync(device)
+        start = time.perf_counter()
+
+        # --- every random draw, in a fixed order, on a CPU generator
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        n = cfg.num_steps
+        if cfg.sampler == "ode":
+            stochastic, trained = [], []
+        elif cfg.window.mode == "none":
+            stochastic = stochastic_steps(cfg.window, num_steps=n)
+            trained = window_steps(cfg.window, num_steps=n)
+        else:
+            trained = window_steps(cfg.window, num_steps=n, iteration=iteration, generator=gen)
+            stochastic = trained
+        shape = self._latent_shape()
+        if initial_noise is None:
+            if cfg.same_noise_per_group:
+                _, inverse = torch.unique(group_ids, return_inverse=True)
+                per_group = torch.randn((int(inverse.max()) + 1, *shape), generator=gen)
+                initial_noise = per_group[inverse]
+            else:
+                initial_noise = torch.randn((bsz, *shape), generator=gen)
+        elif tuple(initial_noise.shape) != (bsz, *shape):
+            raise ValueError(f"initial_noise has shape {tuple(initial_noise.shape)}, expected {(bsz, *shape)}")
+        step_noise = {k: torch.randn((bsz, *shape), generator=gen) for k in sorted(stochastic)}
+
+        sigmas = make_grid(n, cfg.shift, dtype=torch.float32).to(device).unsqueeze(0).expand(bsz, -1).contiguous()
+        cond = self.encode_prompts(prompts)
+        negative = self._negative(bsz)
+
+        # --- micro-batches
+        parts, images = [], []
+        mb = cfg.micro_batch_size
+        for lo in range(0, bsz, mb):
+            hi = min(lo + mb, bsz)
+            neg = None if negative is None else negative[lo:hi]
+            part = self.run_trajectory(
+                cond[lo:hi], initial_noise[lo:hi].to(device=device, dtype=torch.float32),
+                sigmas=sigmas[lo:hi], stochastic=stochastic, trained=trained,
+                step_noise={k: z[lo:hi].to(device) for k, z in step_noise.items()},
+                store_velocities=store, negative_cond=neg)
+            images.append(self.adapter.decode(part["all_latents"][:, -1]).cpu())
+            parts.append({k: t.cpu() for k, t in part.items()})
+        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        out["sigmas"] = sigmas.cpu()
+        out.update({k: t.cpu() for k, t in cond.as_dict().items()})
+        if negative is not None:
+            out.update({f"negative_{k}": t.cpu() for k, t in negative.as_dict().items()})
+        out["images"] = torch.cat(images)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        self.metrics = {
+            "perf/rollout_time": elapsed,
+            "perf/rollout_time_per_image": elapsed / bsz,
+            "rollout/window_start": float(min(trained)) if trained else -1.0,
+            "rollout/num_trained_steps": float(len(trained)),
+        }
+        return out
+
+    @torch.no_grad()
+    def generate_ode(self, prompts: list[str], *, seeds: list[int], num_steps: Optional[int] = None,
+                     height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:
+        """Validation images by the Euler ODE (SPEC §1.6) on fixed prompts and seeds.
+
+        Sample i starts from randn with ``torch.Generator().manual_seed(seeds[i])``, so an image depends on
+        its own (prompt, seed) only, not on the batch. Returns uint8 [B, 3, H, W] on CPU.
+        """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate_ode got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed "
+                             "per prompt")
+        cfg = self.cfg
+        n = num_steps or cfg.val_num_steps
+        device = self.device
+        shape = self._latent_shape(height, width)
+        _sync(device)
+        start = time.perf_counter()
+        x_init = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+        sigmas = make_grid(n, cfg.shift, dtype=torch.float32).to(device).unsqueeze(0).expand(len(prompts), -1)
+        cond = self.encode_prompts(prompts)
+        negative = self._negative(len(prompts))
+        images = []
+        for lo in range(0, len(prompts), cfg.micro_batch_size):
+            hi = min(lo + cfg.micro_batch_size, len(prompts))
+            part = self.run_trajectory(cond[lo:hi], x_init[lo:hi].to(device), sigmas=sigmas[lo:hi],
+                                       negative_cond=None if negative is None else negative[lo:hi])
+            images.append(self.adapter.decode(part["all_latents"][:, -1]).cpu())
+        _sync(device)
+        self.metrics = {"perf/val_time_per_image": (time.perf_counter() - start) / max(len(prompts), 1)}
+        return torch.cat(images)
