@@ -436,7 +436,7 @@ def test_entries_run_on_exactly_the_declared_fields(name):
     # must work from those fields alone.
     full, v_old, v, coef, _ = make_items(dv_scale=1e-3)
     spec = get_loss_spec(name)
-    batch = StepBatch(advantages=full.advantages, **{k: getattr(full, k) for k in spec.batch_keys})
+    batch = StepBatch(**{k: getattr(full, k) for k in ("advantages",) + spec.batch_keys})
     cfg = spec.config()
     needs = spec.needs_for(cfg)
     q0 = quantities(full, v, coef, ref_velocity=v_old + 0.01)
