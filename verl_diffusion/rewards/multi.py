@@ -21,6 +21,7 @@ loads its own once, so use ``process`` for CPU-bound Python rewards such as OCR)
 from __future__ import annotations
 
 import concurrent.futures as cf
+from concurrent.futures.process import BrokenProcessPool
 import logging
 import math
 import multiprocessing
@@ -207,7 +208,7 @@ class MultiReward:
                 except (cf.TimeoutError, TimeoutError):
                     causes.append(("timeout", f"no result within timeout={self.timeout}s"))
                 except Exception as e:  # never let a reward kill training
-                    if isinstance(e, cf.process.BrokenProcessPool):
+                    if isinstance(e, BrokenProcessPool):
                         self._pool = None  # a worker died; the next call starts a fresh pool
                     causes.append((type(e).__name__, f"{type(e).__name__}: {e}"))
             bad = ~np.isfinite(values)
