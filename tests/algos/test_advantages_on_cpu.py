@@ -66,7 +66,7 @@ def test_check2_group_sums_zero_before_clipping(mode):
     g = torch.Generator().manual_seed(0)
     r = torch.randn(24, generator=g, dtype=D)
     ids = torch.arange(6).repeat_interleave(4)
-    a = group_advantages(r, ids, std_mode=mode, clip=0.0)
+    a = group_advantages(r, ids, std_mode=mode, clip=None)
     sums = torch.zeros(6, dtype=D).index_add_(0, ids, a)
     close(sums, torch.zeros(6), 1e-12)
 
@@ -95,7 +95,7 @@ G2 = torch.tensor([1, 1, 2, 2])
 
 def test_check4_gdpo():
     # S before whitening: reproduce step (1)+(2) with group_advantages(group, ddof 0, eps 1e-6, no clip).
-    s = sum(group_advantages(R2[:, m], G2, std_mode="group", eps=1e-6, clip=0.0) for m in range(2))
+    s = sum(group_advantages(R2[:, m], G2, std_mode="group", eps=1e-6, clip=None) for m in range(2))
     close(s, [2, -2, -1, 1], 1e-5)
     close(gdpo_advantages(R2, G2), [1.264911, -1.264911, -0.632456, 0.632456])
 
@@ -119,11 +119,16 @@ def test_check5_clipping_exact():
     a = group_advantages(r, ids, std_mode="global")
     assert a[-1].item() == 5.0
     assert group_advantages(-r, ids, std_mode="global")[-1].item() == -5.0
-    assert group_advantages(r, ids, std_mode="global", clip=0.0)[-1].item() > 5.0
+    assert group_advantages(r, ids, std_mode="global", clip=None)[-1].item() > 5.0
     assert batch_advantages(r)[-1].item() == 5.0
 
 
 # --- other modes, presets, metrics, errors -------------------------------------------------------------
+
+def test_bad_clip_raises():
+    with pytest.raises(ValueError, match="A_max > 0"):
+        group_advantages(REWARDS, GROUPS, clip=0.0)
+
 
 def test_batch_mode():
     r = torch.tensor([1.0, 2.0, 4.0], dtype=D)

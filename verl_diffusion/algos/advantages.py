@@ -88,7 +88,7 @@ def _as_rewards(rewards: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_mode: str = "global",
-                     eps: float = 1e-4, clip: float = 5.0, ddof: int = 0) -> torch.Tensor:
+                     eps: float = 1e-4, clip: Optional[float] = 5.0, ddof: int = 0) -> torch.Tensor:
     """Group-relative advantages A_i = (r_i − m_g(i)) / (σ + ε_adv), clipped to ±clip (SPEC §2.1).
 
     Args:
@@ -97,7 +97,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_mode
         std_mode: ``global`` (σ over all B rewards; P-S / DiffusionNFT), ``group`` (σ_g within the group)
             or ``none`` (Dr.GRPO, no division).
         eps: ε_adv added to the std (not the variance).
-        clip: A_max; ``clip <= 0`` or ``inf`` disables clipping.
+        clip: A_max > 0; ``None`` (or ``inf``) disables clipping.
         ddof: std delta degrees of freedom (0 = population std, the default [choice SPEC §9.6]).
     Returns:
         [B] advantages, same dtype as rewards. A singleton group gets 0 because it is its own mean.
@@ -114,7 +114,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_mode
     return _clip(adv, clip)
 
 
-def batch_advantages(rewards: torch.Tensor, *, eps: float = 1e-4, clip: float = 5.0) -> torch.Tensor:
+def batch_advantages(rewards: torch.Tensor, *, eps: float = 1e-4, clip: Optional[float] = 5.0) -> torch.Tensor:
     """Mode ``batch`` (no grouping; G = 1 by design): A = (r − mean_B r)/(std_B r + ε_adv), clipped (SPEC §2.1).
 
     Args: rewards [B].  Returns: [B].
@@ -124,7 +124,7 @@ def batch_advantages(rewards: torch.Tensor, *, eps: float = 1e-4, clip: float = 
 
 
 def gdpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, weights: Weights = None,
-                    eps: float = 1e-6, clip: float = 5.0) -> torch.Tensor:
+                    eps: float = 1e-6, clip: Optional[float] = 5.0) -> torch.Tensor:
     """GDPO multi-reward advantages (SPEC §2.2; used by Flow-DPPO).
 
     (1) per component, group-normalise with the group std (ddof 0) + ε_g; singleton groups → 0;
@@ -164,7 +164,7 @@ def sum_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, weights: W
     return group_advantages(rewards @ _weights(weights, rewards), group_ids, **group_kwargs)
 
 
-def dance_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, clip: float = 5.0) -> torch.Tensor:
+def dance_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, clip: Optional[float] = 5.0) -> torch.Tensor:
     """DanceGRPO preset (SPEC §2.1): group std with ddof = 1 and ε_adv = 1e-8.  [B] → [B]."""
     return group_advantages(rewards, group_ids, clip=clip, **DANCE_GRPO_PRESET)
 
@@ -228,7 +228,9 @@ def _weights(weights: Weights, rewards: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def _clip(adv: torch.Tensor, clip: float) -> torch.Tensor:
-    if clip is None or clip <= 0 or clip == float("inf"):
+def _clip(adv: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
+    if clip is None or clip == float("inf"):
         return adv
+    if not clip > 0:
+        raise ValueError(f"clip={clip!r} is invalid; pass A_max > 0 (default 5.0), or None to disable clipping")
     return adv.clamp(-clip, clip)

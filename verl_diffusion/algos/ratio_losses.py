@@ -38,6 +38,7 @@ __all__ = [
     "DppoMask",
     "DPPO_MASKS",
     "clipped_surrogate_loss",
+    "flow_grpo_loss",
     "guard_log_ratio",
     "grpo_guard_loss",
     "tempflow_grpo_loss",
@@ -147,6 +148,10 @@ def clipped_surrogate_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, a
     metrics = _ratio_metrics(ratio, log_ratio, lo, hi)
     per_item = _clipped(advantages, ratio, lo, hi)
     return _add_kl(per_item, metrics, ref_kl, kl_coef), metrics
+
+
+# The Flow-GRPO loss under its registry name (STYLE: functions named after the paper's loss).
+flow_grpo_loss = clipped_surrogate_loss
 
 
 def tempflow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
