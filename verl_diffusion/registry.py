@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from verl_diffusion.algos.losses import LOSSES, LossSpec, load_builtin_losses
+from verl_diffusion.algos.ratio_losses import KL_BATCH_KEYS
 from verl_diffusion.algos.types import StepBatch, StepNeeds, StepQuantities
 
 # The advantage estimators we add to verl's `algorithm.adv_estimator` (DESIGN §5).
@@ -186,7 +187,7 @@ class VerlPolicyLoss:
 
     verl's ``PolicyLossFn`` sees only token log-probs. Losses that need nothing else (``flow_grpo``,
     ``dance_grpo``) run through it unchanged: items = positions where ``response_mask`` is 1. Losses that
-    need velocities, means or states run per timestep in our diffusion engine
+    need velocities, means, states or a reference KL (``kl_coef > 0``) run per timestep in our diffusion engine
     (``verl_diffusion.workers.step_loss``), which reads ``.spec``; calling them here raises one line
     saying so.
     """
@@ -200,8 +201,9 @@ class VerlPolicyLoss:
         knobs = _loss_knobs(config, self.spec)
         cfg = self.spec.config(**knobs)
         needs = self.spec.needs_for(cfg)
-        if not needs <= (StepNeeds.LOG_PROB | StepNeeds.MEAN | StepNeeds.VELOCITY) or not set(
-                self.spec.batch_keys) <= {"advantages", "old_log_prob"}:
+        # The KL fields are declared by every ratio loss but read only when kl_coef > 0 (REF_VELOCITY).
+        token_keys = {"advantages", "old_log_prob"} | set(KL_BATCH_KEYS)
+        if needs & ~(StepNeeds.LOG_PROB | StepNeeds.VELOCITY) or not set(self.spec.batch_keys) <= token_keys:
             raise ValueError(
                 f"loss_mode={self.spec.name!r} needs per-timestep quantities {needs} and batch fields "
                 f"{self.spec.batch_keys}; it runs inside the diffusion engine (model_type=diffusion_model), "
