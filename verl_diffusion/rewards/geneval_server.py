@@ -6,7 +6,7 @@ returning ``(scores, rewards, strict_rewards, group_rewards, group_strict_reward
 deployed detector servers, so a real detector (mmdetection, as in GenEval) plugs in unchanged.
 
 ``ColorBlobScorer`` is a programmatic detector for tests and demos: objects are solid rectangles on a
-white background; the rectangle's 2-pixel border colour names the class (``class_colors``) and its
+white background; the rectangle's ``border``-pixel (6) frame colour names the class (``class_colors``) and its
 interior colour names the attribute colour (GenEval's colour words). It then applies GenEval's checks.
 """
 
@@ -44,9 +44,12 @@ def group_values(values: list[float], metas: list[dict]) -> dict[str, list[float
 class ColorBlobScorer:
     """Programmatic GenEval scorer (see module docstring). ``class_colors``: class name -> border RGB."""
 
-    def __init__(self, class_colors: Mapping[str, tuple[int, int, int]] | None = None, min_pixels: int = 16):
+    def __init__(
+        self, class_colors: Mapping[str, tuple[int, int, int]] | None = None, min_pixels: int = 16, border: int = 6
+    ):
         self.class_colors = dict(class_colors or {})
         self.min_pixels = min_pixels
+        self.border = border
 
     @staticmethod
     def _nearest(rgb: np.ndarray, palette: Mapping[str, tuple[int, int, int]]) -> str:
@@ -76,7 +79,8 @@ class ColorBlobScorer:
                 continue
             ys, xs = np.array(pix).T
             box = (int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max()))
-            border = image[box[1], box[0] : box[2] + 1].reshape(-1, 3).mean(0)
+            b = self.border // 2  # sample the middle of the border band (JPEG blurs its edges)
+            border = image[box[1] + b, box[0] + b : box[2] - b + 1].reshape(-1, 3).mean(0)
             centre = image[(box[1] + box[3]) // 2, (box[0] + box[2]) // 2]
             objects.append({
                 "class": self._nearest(border, self.class_colors) if self.class_colors else "object",

@@ -30,6 +30,7 @@ Nothing here registers at import; ``register_reward_managers()`` does, called by
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -138,7 +139,8 @@ class DiffusionRewardManager(RewardManagerBase):
 
     async def run_single(self, data: DataProto) -> dict:
         """verl's reward-loop entry: score one row (the reward loop calls it per sample)."""
-        result = await self.loop.run_in_executor(None, lambda: self.reward(*self._inputs(data[-1:])))
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(None, lambda: self.reward(*self._inputs(data[-1:])))
         extra = {name: float(comp[0]) for name, comp in result.components.items()}
         extra.update({k: v for k, v in result.metrics.items() if k.startswith("reward/failures/")})
         return {"reward_score": float(result.scores[0]), "reward_extra_info": extra}
