@@ -174,6 +174,8 @@ def test_conditioning_helpers(adapter):
     back = Conditioning.from_dict(cond.as_dict())
     assert torch.equal(back.prompt_embeds, cond.prompt_embeds)
     assert Conditioning.cat([cond, cond]).to(dtype=torch.float64).prompt_embeds.dtype == torch.float64
+    tiled = cond.repeat(2)
+    assert len(tiled) == 4 and torch.equal(tiled.pooled_prompt_embeds[2], cond.pooled_prompt_embeds[0])
 
 
 def test_bad_paths_teach(tmp_path, tiny_dir):
@@ -184,3 +186,13 @@ def test_bad_paths_teach(tmp_path, tiny_dir):
     (other / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match="'FluxPipeline' pipeline, not a StableDiffusion3Pipeline"):
         SD3Adapter.from_pretrained(other)
+
+
+def test_bf16_load_returns_velocity_in_input_dtype(tiny_dir):
+    adapter = SD3Adapter.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+    assert adapter.dtype == torch.bfloat16
+    x, t = _inputs(adapter)
+    with torch.no_grad():
+        v = adapter.velocity(x, t, adapter.encode_prompt(PROMPTS))
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert adapter.decode(x).dtype == torch.uint8

@@ -53,6 +53,10 @@ class Conditioning:
         """Each row ``repeats`` times in a row: [B, ...] → [B·repeats, ...] (a prompt → its group)."""
         return self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
+    def repeat(self, repeats: int) -> "Conditioning":
+        """The whole batch ``repeats`` times: [B, ...] → [repeats·B, ...] (as ``torch.Tensor.repeat``)."""
+        return self._map(lambda t: t.repeat(repeats, *([1] * (t.dim() - 1))))
+
     def __getitem__(self, sl: slice) -> "Conditioning":
         return self._map(lambda t: t[sl])
 
@@ -83,6 +87,11 @@ class FlowModelAdapter(Protocol):
     # The trainable network. Replaceable: the engine may assign a wrapped module (FSDP2, LoRA); every
     # method below must go through this attribute.
     transformer: nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the frozen components (text encoders, VAE) and of the returned tensors."""
+        ...
 
     def encode_prompt(self, prompts: list[str]) -> Conditioning:
         """Text conditioning for ``prompts`` (no grad), on the adapter's device. [B] → Conditioning [B]."""

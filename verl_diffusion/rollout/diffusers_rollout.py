@@ -84,7 +84,8 @@ class DiffusersRollout:
 
     Args: adapter: a ``FlowModelAdapter`` (``velocity``, ``encode_prompt``, ``decode``, ``latent_shape``).
       cfg: :class:`RolloutConfig`.
-    After each call, ``self.metrics`` holds ``perf/...`` and ``rollout/...`` floats.
+    After each call, ``self.metrics`` holds ``perf/...`` and ``rollout/...`` floats (generate resets it,
+    generate_ode adds ``perf/val_time_per_image``).
     """
 
     def __init__(self, adapter, cfg: RolloutConfig):
@@ -275,5 +276,5 @@ class DiffusersRollout:
                                        negative_cond=None if negative is None else negative[lo:hi])
             images.append(self.adapter.decode(part["all_latents"][:, -1]).cpu())
         _sync(device)
-        self.metrics = {"perf/val_time_per_image": (time.perf_counter() - start) / max(len(prompts), 1)}
+        self.metrics["perf/val_time_per_image"] = (time.perf_counter() - start) / max(len(prompts), 1)
         return torch.cat(images)
