@@ -232,21 +232,29 @@ class DiffusersFSDPEngine(FSDPEngine):
         return module
 
     def _build_lora_module(self, module):
-        from peft import LoraConfig, PeftModel, get_peft_model
+        """peft LoRA injected in place (no ``PeftModel`` wrapper, no ``TaskType.CAUSAL_LM``): the module keeps
+        its diffusers class, so FSDP2 still finds ``_no_split_modules`` and the model adapter's
+        ``disable_adapter`` (``models.base.disable_lora_layers``) works on the wrapped module."""
+        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
-        if self.model_config.lora_adapter_path:
-            return PeftModel.from_pretrained(module, self.model_config.lora_adapter_path, is_trainable=True)
         targets = self.model_config.target_modules
         targets = list(targets) if not isinstance(targets, str) else targets
         cfg = LoraConfig(r=self.model_config.lora_rank, lora_alpha=self.model_config.lora_alpha,
                          target_modules=targets, init_lora_weights=self.model_config.init_lora_weights,
                          bias="none")
-        module = get_peft_model(module, cfg)
-        base_dtype = next((p.dtype for p in module.parameters() if not p.requires_grad), None)
-        if base_dtype is not None:
-            for p in module.parameters():
-                if p.requires_grad and p.dtype != base_dtype:
-                    p.data = p.data.to(base_dtype)
+        module.requires_grad_(False)
+        inject_adapter_in_model(cfg, module, adapter_name="default")
+        if self.model_config.lora_adapter_path:
+            from safetensors.torch import load_file
+
+            path = self.model_config.lora_adapter_path
+            f = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
+            set_peft_model_state_dict(module, load_file(f), adapter_name="default")
+        base_dtype = next((p.dtype for n, p in module.named_parameters() if "lora_" not in n), None)
+        for name, p in module.named_parameters():
+            p.requires_grad_("lora_" in name)
+            if "lora_" in name and base_dtype is not None and p.dtype != base_dtype:
+                p.data = p.data.to(base_dtype)
         return module
 
     def _build_fsdp_module(self, module):
@@ -275,7 +283,9 @@ class DiffusersFSDPEngine(FSDPEngine):
     def disable_adapter(self):
         if not self._is_lora:
             return contextlib.nullcontext()
-        return self.module.disable_adapter()
+        from verl_diffusion.models.base import disable_lora_layers
+
+        return disable_lora_layers(self.module)
 
     # ------------------------------------------------------------------ forward / backward
 

@@ -1,0 +1,275 @@
+"""Hydra entry point: ``python -m verl_diffusion.main_flowgrpo [--config-name NAME] [key=value ...]``.
+
+With no arguments it runs the CPU demo (``config/tiny_cpu.yaml``): a tiny random SD3 saved into the run
+directory and loaded through the real loading path, the packaged prompts, the JPEG-compressibility reward,
+2 Ray workers, a progress line per step; at the end a reward-curve PNG and a before/after grid.
+
+Platform: when no accelerator is present, ``VERL_PLATFORM=cpu`` is set in the driver and in Ray's
+``runtime_env`` before verl is imported. On a host that has GPUs but where torch sees none (broken driver),
+it stops with an error instead of falling back to CPU; set ``VERL_PLATFORM=cpu`` to force CPU.
+The config is validated before any Ray worker starts (:func:`validate_config`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from typing import Any, Optional
+
+CONFIG_ERROR_EXIT = 2
+
+
+class ConfigError(ValueError):
+    """A config problem found before any Ray worker starts; the message names the field."""
+
+
+def _gpu_host() -> bool:
+    """Signs of an NVIDIA/Ascend host even when torch sees no device (driver problems)."""
+    import shutil
+
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/davinci[0-9]*") or shutil.which("nvidia-smi"))
+
+
+def select_platform() -> str:
+    """Set VERL_PLATFORM=cpu when no accelerator is present; never fall back silently on a GPU host."""
+    from verl_diffusion.workers.platform_cpu import accelerator_present
+
+    explicit = os.environ.get("VERL_PLATFORM", "").strip().lower()
+    if explicit:
+        return explicit
+    if accelerator_present():
+        return ""
+    if _gpu_host():
+        raise RuntimeError("this host has GPU devices but torch sees none (driver / CUDA build problem); fix it, "
+                           "or set VERL_PLATFORM=cpu to train on CPU on purpose")
+    os.environ["VERL_PLATFORM"] = "cpu"
+    return "cpu"
+
+
+def resolve_path(p: str) -> str:
+    """``pkg://<package>/<file>`` → a file path inside the installed package; other paths unchanged."""
+    p = str(p)
+    if p.startswith("pkg://"):
+        import importlib.resources
+
+        rest = p[len("pkg://"):]
+        pkg, _, rel = rest.partition("/")
+        return str(importlib.resources.files(pkg).joinpath(rel))
+    return os.path.expanduser(p)
+
+
+def validate_config(cfg) -> None:
+    """One line naming the field for the mistakes users make; raises :class:`ConfigError`."""
+    from verl_diffusion.trainer.dataset import read_rows
+
+    arr = cfg.actor_rollout_ref
+    path = arr.model.get("path", None)
+    if not path:
+        raise ConfigError("actor_rollout_ref.model.path is not set: give a diffusers pipeline folder "
+                          "(model_index.json), or set actor_rollout_ref.model.tiny for a tiny random model")
+    if not os.path.isfile(os.path.join(str(path), "model_index.json")):
+        raise ConfigError(f"actor_rollout_ref.model.path={path!r} has no model_index.json: give a local diffusers "
+                          "pipeline folder (save_pretrained output)")
+    for field in ("train_files", "val_files"):
+        files = cfg.data.get(field, None)
+        if not files:
+            raise ConfigError(f"data.{field} is empty: give prompt files (.parquet/.jsonl/.txt)")
+        for f in files:
+            try:
+                read_rows(resolve_path(f), prompt_key=cfg.data.get("prompt_key", "prompt"))
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"data.{field}: {e}") from None
+    loss_mode = arr.actor.policy_loss.loss_mode
+    try:
+        from verl_diffusion.workers.step_loss import make_step_loss
+        from verl_diffusion.workers.worker import loss_knobs
+
+        make_step_loss(loss_mode, loss_knobs(arr.actor.policy_loss))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    est = cfg.algorithm.adv_estimator
+    if est not in ADV_ESTIMATOR_REGISTRY:
+        raise ConfigError(f"algorithm.adv_estimator={est!r} is unknown; choose one of "
+                          f"{sorted(k for k in ADV_ESTIMATOR_REGISTRY if str(k).startswith('flow_grpo'))}")
+    n = int(arr.rollout.n)
+    if n < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1")
+    if n == 1 and est in ("flow_grpo", "flow_grpo_gdpo"):
+        raise ConfigError(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: a group of one sample "
+                          "has advantage 0 and nothing trains; use n >= 2 or adv_estimator=flow_grpo_batch")
+    workers = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    samples = int(cfg.data.train_batch_size) * n
+    if samples % workers:
+        raise ConfigError(f"data.train_batch_size × rollout.n = {samples} samples do not split over {workers} workers "
+                          "(trainer.nnodes × trainer.n_gpus_per_node)")
+    mini = int(arr.actor.ppo_mini_batch_size) * n
+    if samples % mini or mini % workers:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} prompts "
+                          f"({mini} samples) must divide the {samples} samples of a step and split over {workers} workers")
+
+
+def prepare_config(cfg) -> str:
+    """Resolve the run dir, build the tiny model when asked, resolve pkg:// data paths. Returns the run dir."""
+    from omegaconf import open_dict
+
+    run_dir = cfg.trainer.get("run_dir", None) or os.path.join(str(cfg.trainer.default_local_dir), "run")
+    run_dir = os.path.abspath(os.path.expanduser(str(run_dir)))
+    os.makedirs(run_dir, exist_ok=True)
+    with open_dict(cfg):
+        cfg.trainer.run_dir = run_dir
+        cfg.trainer.default_local_dir = os.path.abspath(os.path.expanduser(str(cfg.trainer.default_local_dir)))
+        cfg.data.train_files = [resolve_path(f) for f in cfg.data.train_files]
+        cfg.data.val_files = [resolve_path(f) for f in cfg.data.val_files]
+        model = cfg.actor_rollout_ref.model
+        if not model.get("path") and model.get("tiny") is not None:
+            from omegaconf import OmegaConf
+
+            from verl_diffusion.models.tiny import save_tiny_sd3
+
+            tiny_dir = os.path.join(run_dir, "tiny_sd3")
+            if not os.path.isfile(os.path.join(tiny_dir, "model_index.json")):
+                save_tiny_sd3(tiny_dir, **OmegaConf.to_container(model.tiny, resolve=True))
+            model.path = tiny_dir
+    return run_dir
+
+
+def build_reward_fn(cfg):
+    from omegaconf import OmegaConf
+
+    from verl_diffusion.rewards import build_reward
+
+    r = cfg.reward
+    opts = r.get("options", None)
+    return build_reward(OmegaConf.to_container(r.components, resolve=True),
+                        options=OmegaConf.to_container(opts, resolve=True) if opts is not None else {},
+                        penalty=float(r.get("penalty", 0.0)), executor=str(r.get("executor", "sync")))
+
+
+def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
+    """Validate, start Ray, train, write the artefacts. Returns a summary dict (history, paths)."""
+    platform = select_platform()
+    run_dir = prepare_config(cfg)
+    validate_config(cfg)
+    try:
+        reward_fn = build_reward_fn(cfg)
+    except ValueError as e:
+        raise ConfigError(f"reward: {e}") from None
+
+    import ray
+    from omegaconf import OmegaConf, open_dict
+
+    from verl.trainer.ppo.utils import Role
+
+    from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, make_resource_pool_manager
+    from verl_diffusion.workers.worker import DiffusionActorRolloutRefWorker
+
+    with open_dict(cfg):
+        cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")
+    env = {"VERL_PLATFORM": os.environ.get("VERL_PLATFORM", ""), "TOKENIZERS_PARALLELISM": "false",
+           "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARN")}
+    env = {k: v for k, v in env.items() if v}
+    if platform == "cpu":
+        env["OMP_NUM_THREADS"] = os.environ.get("VERL_DIFFUSION_WORKER_THREADS", "1")
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        workers = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
+                                  "log_to_driver": bool(cfg.trainer.get("ray_log_to_driver", True))}
+        if platform == "cpu":
+            kwargs["num_cpus"] = max(workers, os.cpu_count() or 1)
+        ray.init(**kwargs)
+    try:
+        trainer = RayFlowGRPOTrainer(
+            config=cfg, role_worker_mapping={Role.ActorRollout: ray.remote(DiffusionActorRolloutRefWorker)},
+            resource_pool_manager=make_resource_pool_manager(cfg), reward_fn=reward_fn,
+            device_name=cfg.trainer.device, run_dir=run_dir)
+        trainer.init_workers()
+        history = trainer.fit()
+        summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history}
+        if finalize:
+            summary.update(write_artifacts(trainer, run_dir))
+        return summary
+    finally:
+        if own_ray:
+            ray.shutdown()
+
+
+def write_artifacts(trainer, run_dir: str) -> dict:
+    """metrics.jsonl, reward_curve.png, before_after.png (first vs last validation)."""
+    from verl_diffusion.trainer.validation import save_before_after, save_reward_curve
+
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for row in trainer.history:
+            f.write(json.dumps({k: v for k, v in row.items() if isinstance(v, (int, float, str))}) + "\n")
+    out["metrics"] = os.path.join(run_dir, "metrics.jsonl")
+    steps = [h["step"] for h in trainer.history if "reward/mean" in h]
+    rewards = [h["reward/mean"] for h in trainer.history if "reward/mean" in h]
+    if steps:
+        out["reward_curve"] = save_reward_curve(
+            steps, rewards, os.path.join(run_dir, "reward_curve.png"),
+            val_steps=[v["step"] for v in trainer.val_history],
+            val_rewards=[v["val/reward_mean"] for v in trainer.val_history])
+    if len(trainer.val_images) >= 2:
+        first, last = min(trainer.val_images), max(trainer.val_images)
+        out["before_after"] = save_before_after(trainer.val_images[first], trainer.val_images[last],
+                                                os.path.join(run_dir, "before_after.png"))
+    return out
+
+
+def _hydra_main():
+    import hydra
+
+    @hydra.main(config_path="config", config_name="tiny_cpu", version_base=None)
+    def entry(cfg) -> None:
+        try:
+            summary = run_flowgrpo(cfg)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            sys.exit(CONFIG_ERROR_EXIT)
+        h = summary["history"]
+        if h:
+            k = max(1, len(h) // 4)
+            first = sum(x["reward/mean"] for x in h[:k]) / k
+            last = sum(x["reward/mean"] for x in h[-k:]) / k
+            print(f"reward: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+        for key in ("reward_curve", "before_after", "metrics"):
+            if key in summary:
+                print(f"{key}: {summary[key]}")
+        print(f"run dir: {summary['run_dir']}")
+
+    entry()
+
+
+def main() -> None:
+    # Before hydra composes the config: `pkg://verl.trainer.config` imports verl, which fixes the platform.
+    try:
+        select_platform()
+    except RuntimeError as e:
+        print(f"platform error: {e}", file=sys.stderr)
+        sys.exit(1)
+    add_search_path(sys.argv)
+    _hydra_main()
+
+
+def add_search_path(argv: list) -> None:
+    """verl's config tree (``pkg://verl.trainer.config``) and ``./recipes`` on hydra's search path.
+
+    Hydra reads ``hydra.searchpath`` only from the primary config; passing it on the command line makes every
+    config name (package configs and recipes) compose ``ppo_trainer`` the same way.
+    """
+    if any(str(a).startswith("hydra.searchpath") for a in argv[1:]):
+        return
+    paths = ["pkg://verl.trainer.config", "pkg://verl_diffusion.config"]
+    recipes = os.path.join(os.getcwd(), "recipes")
+    if os.path.isdir(recipes):
+        paths.append("file://" + recipes)
+    argv.append("hydra.searchpath=[" + ",".join(paths) + "]")
+
+
+if __name__ == "__main__":
+    main()

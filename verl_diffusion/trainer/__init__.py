@@ -1,0 +1,1 @@
+"""RayFlowGRPOTrainer (a subclass of verl's RayPPOTrainer), prompt dataset, metrics and validation."""

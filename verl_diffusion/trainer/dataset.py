@@ -1,0 +1,94 @@
+"""Prompt datasets for image RL: no tokenizer, one row = one prompt (DESIGN §3 step 1).
+
+Reads parquet (verl's layout: a ``prompt`` column holding a string or a chat list of
+``{"role", "content"}``), jsonl (one object per line with ``prompt``) or txt (one prompt per line).
+Optional columns travel with the row: ``negative_prompt``, ``data_source``, ``reward_model``, ``extra_info``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import numpy as np
+from torch.utils.data import Dataset
+
+ROW_KEYS = ("prompt", "negative_prompt", "data_source", "reward_model", "extra_info")
+
+
+def prompt_text(value: Any) -> str:
+    """A prompt cell as text: a string, or the last user message of a chat list."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and value:
+        users = [m for m in value if isinstance(m, dict) and m.get("role", "user") == "user"]
+        msg = (users or list(value))[-1]
+        return str(msg.get("content", "")) if isinstance(msg, dict) else str(msg)
+    raise ValueError(f"prompt cell {value!r} is neither a string nor a chat list of {{'role','content'}}")
+
+
+def read_rows(path: str, *, prompt_key: str = "prompt") -> list[dict]:
+    """Rows of a prompt file (.parquet / .jsonl / .json / .txt). Raises one line naming a missing column."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"prompt file {path!r} does not exist (data.train_files / data.val_files)")
+    if path.endswith(".txt"):
+        with open(path) as f:
+            rows = [{prompt_key: line.strip()} for line in f if line.strip()]
+    elif path.endswith(".jsonl"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    elif path.endswith(".json"):
+        with open(path) as f:
+            rows = json.load(f)
+    elif path.endswith(".parquet"):
+        import pandas as pd
+
+        rows = pd.read_parquet(path).to_dict(orient="records")
+    else:
+        raise ValueError(f"prompt file {path!r}: unknown extension; use .parquet, .jsonl, .json or .txt")
+    if rows and prompt_key not in rows[0]:
+        raise ValueError(f"prompt file {path!r} has no {prompt_key!r} column (columns: {sorted(rows[0])}); "
+                         f"set data.prompt_key or add the column")
+    return rows
+
+
+class PromptDataset(Dataset):
+    """Prompt rows; ``__getitem__`` returns a dict with ``prompt`` (text) and the optional columns."""
+
+    def __init__(self, files: Sequence[str] | str, *, prompt_key: str = "prompt", max_samples: int = -1):
+        files = [files] if isinstance(files, str) else list(files)
+        self.rows: list[dict] = []
+        for f in files:
+            self.rows.extend(read_rows(str(f), prompt_key=prompt_key))
+        if max_samples is not None and max_samples > 0:
+            self.rows = self.rows[:max_samples]
+        if not self.rows:
+            raise ValueError(f"prompt files {files} hold no rows")
+        self.prompt_key = prompt_key
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        out = {"prompt": prompt_text(row[self.prompt_key]), "index": i}
+        for k in ROW_KEYS[1:]:
+            if k in row and row[k] is not None:
+                out[k] = row[k]
+        out.setdefault("data_source", "prompts")
+        return out
+
+
+def collate_prompts(items: list[dict]) -> dict:
+    """List of rows → dict of numpy object arrays (verl's non-tensor batch layout)."""
+    keys = sorted({k for it in items for k in it})
+    out = {}
+    for k in keys:
+        arr = np.empty(len(items), dtype=object)
+        for i, it in enumerate(items):
+            arr[i] = it.get(k, None)
+        out[k] = arr
+    return out

@@ -1,0 +1,273 @@
+"""RayFlowGRPOTrainer: verl's ``RayPPOTrainer`` with the token-shaped parts replaced for images (DESIGN §3, §4).
+
+Reused from verl: ``__init__`` (config, role mapping, resource-pool manager), checkpoint save / load with
+``resume_mode`` (``global_step_<k>`` folders, the latest-iteration file, the dataloader state), tracking.
+Replaced: ``init_workers`` (our worker only; no LLM server stack), the dataloader (prompts, no tokenizer),
+``fit`` and the helpers: response mask = ``train_mask``; advantages through verl's
+``get_adv_estimator_fn`` on ``sample_level_rewards``; old log-probs = the rollout's on-policy (bypass),
+recomputed otherwise; the actor update with PPO epochs × mini-batches; ODE validation on fixed prompts
+and seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import numpy as np
+import ray
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from verl import DataProto
+from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+from verl.single_controller.ray.base import ResourcePoolManager
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.trainer.ppo.utils import Role
+
+from verl_diffusion.trainer.dataset import PromptDataset, collate_prompts
+from verl_diffusion.trainer.metrics import advantage_summary, reduce_worker_metrics, reward_metrics
+from verl_diffusion.trainer.validation import save_grid
+
+
+class CpuAwareResourcePoolManager(ResourcePoolManager):
+    """verl's check counts only GPU/NPU ("Total available GPUs 0"); count the platform's Ray resource."""
+
+    def _check_resource_available(self):
+        from verl.utils.device import get_resource_name
+
+        name = get_resource_name()
+        avail = sum(info.get(name, 0) for info in ray._private.state.available_resources_per_node().values())
+        need = sum(n for nodes in self.resource_pool_spec.values() for n in nodes)
+        if avail < need:
+            raise ValueError(f"Ray has {avail} {name} available but the trainer asks for {need} workers "
+                             f"(trainer.nnodes × trainer.n_gpus_per_node); lower trainer.n_gpus_per_node")
+
+
+def make_resource_pool_manager(config) -> CpuAwareResourcePoolManager:
+    spec = {"global_pool": [int(config.trainer.n_gpus_per_node)] * int(config.trainer.nnodes)}
+    return CpuAwareResourcePoolManager(resource_pool_spec=spec, mapping={Role.ActorRollout: "global_pool"},
+                                       max_colocate_count=1)
+
+
+class RayFlowGRPOTrainer(RayPPOTrainer):
+    """Flow-GRPO family trainer over our diffusion worker (one colocated actor+rollout worker group)."""
+
+    def __init__(self, config, role_worker_mapping, resource_pool_manager, reward_fn,
+                 ray_worker_group_cls=RayWorkerGroup, device_name: Optional[str] = None,
+                 run_dir: Optional[str] = None, progress: bool = True):
+        self.reward_fn = reward_fn
+        self.run_dir = run_dir or os.getcwd()
+        self.progress = progress
+        self.history: list[dict] = []
+        self.val_history: list[dict] = []
+        self.val_images: dict[int, torch.Tensor] = {}
+        super().__init__(config=config, tokenizer=None, role_worker_mapping=role_worker_mapping,
+                         resource_pool_manager=resource_pool_manager, ray_worker_group_cls=ray_worker_group_cls,
+                         device_name=device_name)
+
+    # ------------------------------------------------------------------ data
+
+    def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        data = self.config.data
+        key = data.get("prompt_key", "prompt")
+        self.train_dataset = train_dataset or PromptDataset(list(data.train_files), prompt_key=key,
+                                                            max_samples=data.get("train_max_samples", -1))
+        self.val_dataset = val_dataset or PromptDataset(list(data.val_files), prompt_key=key,
+                                                        max_samples=data.get("val_max_samples", -1))
+        gen = torch.Generator()
+        gen.manual_seed(int(data.get("seed", 1)))
+        self.train_dataloader = StatefulDataLoader(
+            self.train_dataset, batch_size=int(data.train_batch_size), shuffle=bool(data.get("shuffle", True)),
+            drop_last=True, collate_fn=collate_prompts, generator=gen, num_workers=0)
+        self.val_dataloader = StatefulDataLoader(self.val_dataset, batch_size=len(self.val_dataset),
+                                                 shuffle=False, collate_fn=collate_prompts, num_workers=0)
+        if len(self.train_dataloader) < 1:
+            raise ValueError(f"data.train_batch_size={data.train_batch_size} is larger than the "
+                             f"{len(self.train_dataset)} training prompts")
+        total = len(self.train_dataloader) * int(self.config.trainer.total_epochs)
+        if self.config.trainer.total_training_steps is not None:
+            total = int(self.config.trainer.total_training_steps)
+        self.total_training_steps = total
+        with open_dict(self.config):
+            self.config.actor_rollout_ref.actor.optim.total_training_steps = total
+
+    # ------------------------------------------------------------------ workers
+
+    def init_workers(self):
+        """One colocated actor+rollout worker group on CPU or GPU pools; ``init_model`` on every rank."""
+        self.resource_pool_manager.create_resource_pool()
+        pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
+        cls = RayClassWithInitArgs(cls=self.role_worker_mapping[Role.ActorRollout],
+                                   config=self.config.actor_rollout_ref, role="actor_rollout")
+        self.actor_rollout_wg = self.ray_worker_group_cls(resource_pool=pool, ray_cls_with_init=cls,
+                                                          device_name=self.device_name)
+        self.world_size = self.actor_rollout_wg.world_size
+        info = self.actor_rollout_wg.init_model()
+        self.worker_info = info[0] if isinstance(info, list) else info
+        self.use_critic = False
+        self.use_rm = False
+
+    # ------------------------------------------------------------------ step helpers
+
+    def _gen_batch(self, batch_dict: dict, step: int) -> DataProto:
+        """Repeat each prompt n times (a group, one ``uid``); deterministic uids so resumed runs match."""
+        n = int(self.config.actor_rollout_ref.rollout.n)
+        prompts = batch_dict["prompt"]
+        rows = {k: np.repeat(v, n, axis=0) for k, v in batch_dict.items()}
+        rows["uid"] = np.repeat(np.array([f"s{step}-p{i}" for i in range(len(prompts))], dtype=object), n)
+        seed = int(self.config.trainer.get("seed", 0)) + step
+        return DataProto.from_dict(non_tensors=rows, meta_info={"seed": seed, "iteration": step - 1})
+
+    def _compute_reward(self, batch: DataProto, images: torch.Tensor) -> dict[str, float]:
+        meta = [{k: batch.non_tensor_batch[k][i] for k in ("reward_model", "extra_info", "data_source")
+                 if k in batch.non_tensor_batch} for i in range(len(batch))]
+        res = self.reward_fn(images, list(batch.non_tensor_batch["prompt"]), meta)
+        batch.batch["sample_level_rewards"] = res.scores.float()
+        for name, c in res.components.items():
+            batch.batch[f"reward_components/{name}"] = c.float()
+        out = reward_metrics(res.scores, batch.non_tensor_batch["uid"], res.components, res.failures)
+        out.update({f"reward/{k}" if not k.startswith("reward/") else k: float(v)
+                    for k, v in (res.metrics or {}).items() if isinstance(v, (int, float))})
+        return out
+
+    def _compute_advantage(self, batch: DataProto) -> dict[str, float]:
+        """verl's registered estimator (``algorithm.adv_estimator``) on sample rewards, broadcast to steps."""
+        batch.batch["response_mask"] = batch.batch["train_mask"]
+        fn = get_adv_estimator_fn(self.config.algorithm.adv_estimator)
+        kwargs = dict(sample_level_rewards=batch.batch["sample_level_rewards"],
+                      response_mask=batch.batch["response_mask"], index=batch.non_tensor_batch["uid"],
+                      config=self.config.algorithm)
+        comp = sorted(k for k in batch.batch.keys() if str(k).startswith("reward_components/"))
+        if comp and self.config.algorithm.adv_estimator == "flow_grpo_gdpo":
+            kwargs["reward_components"] = torch.stack([batch.batch[k] for k in comp], dim=-1)
+        adv, returns = fn(**kwargs)
+        batch.batch["advantages"] = adv.float()
+        batch.batch["returns"] = returns.float()
+        return advantage_summary(adv, batch.batch["response_mask"])
+
+    def _on_policy(self) -> bool:
+        a = self.config.actor_rollout_ref.actor
+        return int(a.ppo_epochs) == 1 and self._mini_batch_size() >= self._batch_samples()
+
+    def _batch_samples(self) -> int:
+        return int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
+
+    def _mini_batch_size(self) -> int:
+        return int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(
+            self.config.actor_rollout_ref.rollout.n)
+
+    def _compute_old_log_prob(self, batch: DataProto) -> dict[str, float]:
+        """On-policy: bypass (the rollout's log-probs); off-policy: recompute with the current weights."""
+        if self._on_policy() and not self.config.actor_rollout_ref.rollout.get("recompute_old_log_prob", False):
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            return {}
+        out = self.actor_rollout_wg.compute_old_log_prob(batch)
+        batch.batch["old_log_probs"] = out.batch["old_log_probs"]
+        m = batch.batch["train_mask"].bool()
+        diff = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"])[m]
+        return {"rollout/train_rollout_log_prob_abs_max": float(diff.abs().max()) if diff.numel() else 0.0}
+
+    def _update_actor(self, batch: DataProto, step: int) -> dict[str, float]:
+        a = self.config.actor_rollout_ref.actor
+        batch.meta_info.update({"mini_batch_size": self._mini_batch_size() // self.world_size * self.world_size,
+                                "ppo_epochs": int(a.ppo_epochs), "seed": int(self.config.trainer.get("seed", 0)) + step,
+                                "shuffle": bool(a.get("shuffle", False))})
+        out = self.actor_rollout_wg.update_actor(batch)
+        return reduce_worker_metrics(out.meta_info.get("metrics", {}))
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, merged: bool = False) -> dict[str, float]:
+        """ODE images of the validation prompts with fixed seeds; a grid PNG per validation; val reward."""
+        batch = next(iter(self.val_dataloader))
+        prompts = list(batch["prompt"])
+        n_val = int(self.config.trainer.get("val_num_images", len(prompts)) or len(prompts))
+        prompts = (prompts * ((n_val + len(prompts) - 1) // len(prompts)))[:n_val]
+        seeds = list(range(len(prompts)))
+        pad = (-len(prompts)) % self.world_size
+        rows = {"prompt": np.array(prompts + prompts[:pad], dtype=object),
+                "seed": np.array(seeds + seeds[:pad], dtype=object)}
+        out = self.actor_rollout_wg.generate_validation(DataProto.from_dict(non_tensors=rows))
+        images = out.batch["images"][: len(prompts)]
+        step = int(self.global_steps)
+        self.val_images[step] = images
+        path = save_grid(images, os.path.join(self.run_dir, "validation", f"step_{step:05d}.png"), scale=2)
+        res = self.reward_fn(images, prompts, [{} for _ in prompts])
+        metrics = {"val/reward_mean": float(res.scores.float().mean()), "val/num_images": float(len(prompts))}
+        self.val_history.append({"step": step, **metrics, "grid": path})
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self):
+        from verl.utils.tracking import Tracking
+
+        cfg = self.config
+        logger = Tracking(project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
+                          default_backend=cfg.trainer.logger, config=OmegaConf.to_container(cfg, resolve=True))
+        self.global_steps = 0
+        self._load_checkpoint()
+        start_step = self.global_steps
+        if cfg.trainer.get("val_before_train", True) and start_step == 0 and cfg.trainer.test_freq > 0:
+            logger.log(self._validate(), step=0)
+        self.global_steps += 1
+        done = self.global_steps > self.total_training_steps
+        while not done:
+            for batch_dict in self.train_dataloader:
+                step = int(self.global_steps)
+                metrics = self.train_step(batch_dict, step)
+                last = step >= self.total_training_steps
+                if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+                    metrics.update(self._validate())
+                if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
+                    self._save_checkpoint()
+                logger.log(metrics, step=step)
+                self.history.append({"step": step, **metrics})
+                if self.progress:
+                    print(progress_line(step, self.total_training_steps, metrics), flush=True)
+                self.global_steps += 1
+                if last:
+                    done = True
+                    break
+        if hasattr(logger, "finish"):
+            logger.finish()
+        return self.history
+
+    def train_step(self, batch_dict: dict, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        gen = self._gen_batch(batch_dict, step)
+        out = self.actor_rollout_wg.generate_sequences(gen)
+        t_gen = time.perf_counter()
+        images = out.batch.pop("images")
+        batch = DataProto(batch=out.batch, non_tensor_batch=gen.non_tensor_batch, meta_info=dict(gen.meta_info))
+        metrics.update({k: float(np.mean(v)) for k, v in out.meta_info.get("metrics", {}).items()})
+        metrics.update(self._compute_reward(batch, images))
+        t_rew = time.perf_counter()
+        metrics.update(self._compute_advantage(batch))
+        metrics.update(self._compute_old_log_prob(batch))
+        metrics.update(self._update_actor(batch, step))
+        t_upd = time.perf_counter()
+        n_img = len(batch)
+        metrics.update({"timing_s/gen": t_gen - t0, "timing_s/reward": t_rew - t_gen, "timing_s/update": t_upd - t_rew,
+                        "timing_s/step": t_upd - t0, "perf/time_per_image": (t_upd - t0) / n_img,
+                        "perf/throughput_images_per_s": n_img / (t_upd - t0),
+                        "training/global_step": float(step),
+                        "actor/train_fraction": float(batch.batch["train_mask"].float().mean())})
+        return metrics
+
+
+def progress_line(step: int, total: int, m: dict) -> str:
+    parts = [f"step {step}/{total}", f"reward {m.get('reward/mean', float('nan')):.4f}"
+             f"±{m.get('reward/std', float('nan')):.4f}"]
+    for key, label in (("loss", "loss"), ("actor/pg_loss", "pg"), ("grad_norm", "gnorm"),
+                       ("actor/first_micro_log_ratio_abs_max", "|lr0|"), ("val/reward_mean", "val")):
+        if key in m:
+            parts.append(f"{label} {m[key]:.3g}")
+    parts.append(f"{m.get('timing_s/step', 0.0):.1f}s")
+    return " | ".join(parts)

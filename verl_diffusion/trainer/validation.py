@@ -1,0 +1,63 @@
+"""Validation images: a grid PNG per validation, a reward curve and a before/after grid at the end."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def image_grid(images: torch.Tensor, *, cols: Optional[int] = None, pad: int = 2) -> np.ndarray:
+    """uint8 [B, 3, H, W] → one uint8 HxWx3 grid (rows of ``cols`` images, white padding)."""
+    b, c, h, w = images.shape
+    cols = cols or min(b, max(1, int(math.ceil(math.sqrt(b)))))
+    rows = int(math.ceil(b / cols))
+    grid = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad, 3), 255, dtype=np.uint8)
+    imgs = images.permute(0, 2, 3, 1).cpu().numpy()
+    for i in range(b):
+        r, col = divmod(i, cols)
+        y, x = pad + r * (h + pad), pad + col * (w + pad)
+        grid[y:y + h, x:x + w] = imgs[i][..., :3]
+    return grid
+
+
+def save_grid(images: torch.Tensor, path: str, *, cols: Optional[int] = None, scale: int = 1) -> str:
+    from PIL import Image
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    img = Image.fromarray(image_grid(images, cols=cols))
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    img.save(path)
+    return path
+
+
+def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, scale: int = 2) -> str:
+    """Top row: validation images before training; bottom row: after (same prompts and seeds)."""
+    both = torch.cat([before, after])
+    return save_grid(both, path, cols=before.shape[0], scale=scale)
+
+
+def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str, *,
+                      val_steps: Sequence[int] = (), val_rewards: Sequence[float] = ()) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(list(steps), list(rewards), marker="o", ms=3, label="train reward (mean)")
+    if len(val_steps):
+        ax.plot(list(val_steps), list(val_rewards), marker="s", ms=4, label="validation reward (ODE)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

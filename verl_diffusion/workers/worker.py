@@ -1,0 +1,308 @@
+"""Our actor-rollout(-ref) worker: verl's ``TrainingWorker`` for the actor (and the reference when not LoRA)
+plus the in-process diffusers rollout sharing the actor's FSDP module, so no weight sync (DESIGN §3, §4).
+
+verl's ``ActorRolloutRefWorker.init_model`` is LLM-specific (HF config, token rollout registry, checkpoint
+engine); like it, we compose ``TrainingWorker`` instances, and we do not bend it.
+
+RPCs (all ``DP_COMPUTE_PROTO`` over samples unless noted): ``init_model`` (all), ``generate_sequences``,
+``compute_old_log_prob``, ``update_actor``, ``generate_validation``, ``save_checkpoint`` /
+``load_checkpoint`` (all).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed
+from omegaconf import DictConfig, OmegaConf
+
+from verl import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils.device import get_device_name
+
+from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, prepare_steps
+
+# Rollout keys that travel to the engine (images and strings stay behind).
+_TRAIN_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
+               "old_velocities", "prompt_embeds", "pooled_prompt_embeds", "prompt_mask", "old_log_probs",
+               "advantages", "group_ids")
+
+
+def init_cpu_process_group() -> None:
+    """On the CPU platform, open the gloo group before verl does: verl builds the backend string
+    ``"cpu:gloo,cpu:gloo"``, which torch rejects (VERL_ON_CPU.md). Ray already set RANK / WORLD_SIZE /
+    MASTER_*; verl skips an initialised group."""
+    if get_device_name() != "cpu" or torch.distributed.is_initialized():
+        return
+    torch.distributed.init_process_group(
+        backend="gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype={name!r} is unknown; choose one of {sorted(table)}")
+    return table[name]
+
+
+def _plain(node) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def loss_knobs(policy_loss: Any) -> dict:
+    """``actor.policy_loss`` minus verl's own keys: the knobs of our loss config dataclass."""
+    d = dict(_plain(policy_loss) or {})
+    for k in ("_target_", "loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+              "ppo_kl_coef", "rollout_correction"):
+        d.pop(k, None)
+    return d
+
+
+def build_rollout_config(rollout_cfg: DictConfig):
+    """Our RolloutConfig from ``actor_rollout_ref.rollout`` (sde.{type,noise_level,window}, steps, size)."""
+    from verl_diffusion.rollout.diffusers_rollout import RolloutConfig
+
+    sde = _plain(rollout_cfg.get("sde", {})) or {}
+    res = rollout_cfg.get("resolution", 512)
+    return RolloutConfig(
+        num_steps=int(rollout_cfg.get("num_steps", 10)),
+        shift=float(rollout_cfg.get("shift", 3.0)),
+        sampler=str(sde.get("type", "flow_sde")),
+        noise_level=float(sde.get("noise_level", 0.7)),
+        window=dict(sde.get("window", {}) or {}),
+        log_prob_convention=str(sde.get("log_prob_convention", "exact")),
+        same_noise_per_group=bool(rollout_cfg.get("same_noise_per_group", False)),
+        guidance_scale=float(rollout_cfg.get("guidance_scale", 1.0)),
+        height=int(res), width=int(res),
+        micro_batch_size=int(rollout_cfg.get("micro_batch_size", 8)),
+        store_velocities=False,
+        val_num_steps=int(rollout_cfg.get("val_num_steps", 40)),
+    )
+
+
+class DiffusionActorRolloutRefWorker(Worker):
+    """Actor (verl TrainingWorker + our engine) + in-process diffusers rollout (+ frozen reference)."""
+
+    def __init__(self, config: DictConfig, role: str = "actor_rollout"):
+        init_cpu_process_group()
+        Worker.__init__(self)
+        self.config = config
+        self.role = role
+        self.actor = None
+        self.ref = None
+        self.adapter = None
+        self.rollout = None
+        self.ema = None
+        self.step_loss: Optional[DiffusionStepLoss] = None
+        self._update_count = 0
+
+    # ------------------------------------------------------------------ build
+
+    def _training_worker_config(self, model_config, *, forward_only: bool):
+        from verl.trainer.config import CheckpointConfig
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import TrainingWorkerConfig
+
+        actor = self.config.actor
+        node = OmegaConf.create(OmegaConf.to_container(actor.fsdp_config, resolve=True))
+        node.strategy = str(actor.strategy)
+        node.forward_only = bool(forward_only)
+        engine_config = omega_conf_to_dataclass(node)
+        engine_config.use_dynamic_bsz = False
+        engine_config.micro_batch_size_per_gpu = int(actor.ppo_micro_batch_size_per_gpu)
+        engine_config.infer_micro_batch_size_per_gpu = int(
+            self.config.rollout.get("log_prob_micro_batch_size_per_gpu") or actor.ppo_micro_batch_size_per_gpu)
+        optim = None if forward_only else omega_conf_to_dataclass(actor.optim)
+        ckpt = omega_conf_to_dataclass(actor.checkpoint, dataclass_type=CheckpointConfig)
+        return TrainingWorkerConfig(model_type="diffusion_model", model_config=model_config,
+                                    engine_config=engine_config, optimizer_config=optim, checkpoint_config=ckpt)
+
+    def _model_config(self, *, lora: bool):
+        from verl_diffusion.workers.engine import DEFAULT_LORA_TARGETS, DiffusionModelConfig
+
+        m = self.config.model
+        targets = _plain(m.get("target_modules", None))
+        if targets in (None, "all-linear"):
+            targets = list(DEFAULT_LORA_TARGETS)
+        return DiffusionModelConfig(
+            path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
+            lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
+            target_modules=targets, init_lora_weights=m.get("init_lora_weights", True),
+            lora_adapter_path=m.get("lora_adapter_path", None),
+            enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        from verl.workers.engine_workers import TrainingWorker
+
+        from verl_diffusion.models.base import Conditioning
+        from verl_diffusion.models.sd3 import SD3Adapter
+        from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout
+
+        torch.manual_seed(int(self.config.actor.fsdp_config.get("seed", 42)))
+        actor_cfg = self.config.actor
+        self.step_loss = make_step_loss(
+            actor_cfg.policy_loss.loss_mode, loss_knobs(actor_cfg.policy_loss),
+            log_prob_convention=str(self.config.rollout.get("sde", {}).get("log_prob_convention", "exact")))
+
+        # 1. actor: verl's TrainingWorker around our engine (model_type diffusion_model).
+        self.actor = TrainingWorker(config=self._training_worker_config(self._model_config(lora=True),
+                                                                        forward_only=False))
+        self.actor.reset()
+        self.actor.set_loss_fn(self.step_loss)
+        engine = self.actor.engine
+
+        # 2. rollout: the model adapter (VAE, text encoders) whose transformer is the actor's FSDP module.
+        dtype = torch_dtype(str(self.config.model.get("dtype", "fp32")))
+        self.adapter = SD3Adapter.from_pretrained(self.config.model.path, dtype=dtype, device=get_device_name())
+        self.adapter.transformer = engine.module
+        adapter = self.adapter
+
+        def velocity_factory(module):
+            def velocity(x_t, t, rows):
+                return adapter.velocity(x_t, t, Conditioning.from_dict(rows))
+            return velocity
+
+        engine.velocity_fn_factory = velocity_factory
+        self.rollout = DiffusersRollout(self.adapter, build_rollout_config(self.config.rollout))
+
+        # 3. reference: LoRA -> the adapter disabled (engine default); full fine-tune + KL -> frozen copy.
+        if self.step_loss.needs_reference() and not engine._is_lora:
+            self.ref = TrainingWorker(config=self._training_worker_config(self._model_config(lora=False),
+                                                                          forward_only=True))
+            self.ref.reset()
+            ref_module = self.ref.engine.module
+
+            def ref_velocity(x_t, t, rows):
+                saved = adapter.transformer
+                adapter.transformer = ref_module
+                try:
+                    with torch.no_grad():
+                        return adapter.velocity(x_t, t, Conditioning.from_dict(rows))
+                finally:
+                    adapter.transformer = saved
+
+            engine.ref_velocity_fn = ref_velocity
+
+        # 4. evaluation EMA of the trainable parameters (saved with checkpoints).
+        ema_cfg = self.config.actor.get("ema", {}) or {}
+        if ema_cfg.get("enable", False):
+            from verl_diffusion.algos.ema import ParamEMA
+
+            self.ema = ParamEMA([p for p in engine.module.parameters() if p.requires_grad],
+                                decay_max=float(ema_cfg.get("decay_max", 0.9)),
+                                interval=int(ema_cfg.get("interval", 8)))
+        engine.extra_state_fn = lambda: {"ema": self.ema.state_dict() if self.ema else None,
+                                         "update_count": self._update_count}
+
+        def load_extra(state):
+            if state.get("ema") is not None and self.ema is not None:
+                self.ema.load_state_dict(state["ema"])
+            self._update_count = int(state.get("update_count", 0))
+
+        engine.load_extra_state_fn = load_extra
+        return {"lora": bool(engine._is_lora), "reference": "adapter_disabled" if engine._is_lora else (
+            "frozen_copy" if self.ref is not None else "none"), "loss": self.step_loss.name}
+
+    # ------------------------------------------------------------------ rollout
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Rollout of this rank's samples (prompts already repeated n times, ``uid`` per group)."""
+        meta = prompts.meta_info
+        texts = [str(p) for p in prompts.non_tensor_batch["prompt"]]
+        uids = prompts.non_tensor_batch["uid"]
+        _, group_ids = np.unique(np.asarray(uids).astype(str), return_inverse=True)
+        seed = int(meta.get("seed", 0)) * 1000 + self.rank
+        store = bool({"old_velocity", "old_mean"} & set(self.step_loss.spec.batch_keys))
+        engine = self.actor.engine
+        start = time.perf_counter()
+        with engine.eval_mode():
+            out = self.rollout.generate(texts, torch.as_tensor(group_ids, dtype=torch.long), seed=seed,
+                                        iteration=int(meta.get("iteration", 0)), store_velocities=store)
+        elapsed = time.perf_counter() - start
+        metrics = dict(self.rollout.metrics)
+        metrics["perf/rollout_time"] = elapsed
+        out["group_ids"] = torch.as_tensor(group_ids, dtype=torch.long)
+        return DataProto.from_dict(tensors=out, meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_validation(self, data: DataProto) -> DataProto:
+        """ODE images of fixed prompts and seeds (EMA weights when an EMA is kept)."""
+        texts = [str(p) for p in data.non_tensor_batch["prompt"]]
+        seeds = [int(s) for s in data.non_tensor_batch["seed"]]
+        num_steps = data.meta_info.get("num_steps", None)
+        engine = self.actor.engine
+        ctx = self.ema.swap_in() if self.ema is not None else _null()
+        with engine.eval_mode(), ctx:
+            images = self.rollout.generate_ode(texts, seeds=seeds, num_steps=num_steps)
+        return DataProto.from_dict(tensors={"images": images})
+
+    # ------------------------------------------------------------------ training
+
+    def _rows(self, data: DataProto):
+        from tensordict import TensorDict
+
+        keys = [k for k in _TRAIN_KEYS if k in data.batch.keys()]
+        return TensorDict({k: data.batch[k] for k in keys}, batch_size=[len(data)])
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_old_log_prob(self, data: DataProto) -> DataProto:
+        """Off-policy: ℓ_θ [B, N] at the trained steps with the current weights (same kernel as the rollout)."""
+        from verl.utils import tensordict_utils as tu
+
+        td = self._rows(data)
+        tu.assign_non_tensor(td, compute_loss=True, global_token_num=None)
+        out = self.actor.infer_batch(td)
+        return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs × mini-batches over this rank's samples; returns the metrics (lists per micro-step)."""
+        from verl.utils import tensordict_utils as tu
+
+        meta = data.meta_info
+        engine = self.actor.engine
+        td = self._rows(data)
+        start = time.perf_counter()
+        # θ-independent per-step pre-processing over whole groups, before mini-batching.
+        gen = torch.Generator().manual_seed(int(meta.get("seed", 0)) * 1000 + 500 + self.rank)
+        with engine.eval_mode():
+            prep = prepare_steps(self.step_loss, dict(td.items()), velocity_fn=engine.velocity_fn(), generator=gen)
+        for k, v in prep.items():
+            td[k] = v
+        mini = int(meta["mini_batch_size"])
+        tu.assign_non_tensor(td, mini_batch_size=mini, epochs=int(meta.get("ppo_epochs", 1)),
+                             seed=int(meta.get("seed", 0)),
+                             dataloader_kwargs={"shuffle": bool(meta.get("shuffle", False))})
+        out = self.actor.train_mini_batch(td)
+        metrics = dict(tu.get(out, "metrics")) if out is not None else {}
+        if self.ema is not None:
+            self.ema.step(self._update_count)
+        self._update_count += 1
+        metrics["perf/update_time"] = time.perf_counter() - start
+        return DataProto(meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        self.actor.save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
