@@ -170,3 +170,23 @@ def test_safe_loads_refuses_code():
 
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         safe_loads(pickle.dumps(Evil()))
+
+
+def test_launcher_script_serves_the_protocol():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "reward_server.py"
+    kwargs = json.dumps({"class_colors": {k: list(v) for k, v in CLASS_COLORS.items()}})
+    proc = subprocess.Popen([sys.executable, str(script), "--port", "0", "--scorer-kwargs", kwargs],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:"), line
+        res = build_reward({"geneval": 1.0}, options={"geneval": {"url": url}})([CASES[3][0]], ["p"], [row(RED_CUP)])
+        assert res.scores.tolist() == [1.0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
