@@ -119,6 +119,9 @@ def test_lora_zero_b_init_keeps_velocity(adapter, init):
         sum(p.numel() for p in trainable.values())
     with torch.no_grad():
         assert torch.equal(adapter.velocity(x, t, cond), v_base)
+    sd = adapter.lora_state_dict()
+    assert sd and all("lora_" in k for k in sd)
+    assert sum(v.numel() for v in sd.values()) == sum(p.numel() for p in trainable.values())
 
 
 def test_lora_disable_adapter_gives_base_velocity(adapter):

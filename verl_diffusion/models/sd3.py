@@ -175,9 +175,18 @@ class SD3Adapter:
         config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=init_lora_weights,
                             target_modules=list(target_modules or self.lora_targets()))
         self.transformer.requires_grad_(False)
-        inject_adapter_in_model(config, self.transformer, adapter_name=adapter_name)
+        if hasattr(self.transformer, "add_adapter"):   # diffusers' PeftAdapterMixin: also records peft_config
+            self.transformer.add_adapter(config, adapter_name=adapter_name)
+        else:                                          # a wrapped / plain module
+            inject_adapter_in_model(config, self.transformer, adapter_name=adapter_name)
         for name, p in self.transformer.named_parameters():
             p.requires_grad_("lora_" in name)
+
+    def lora_state_dict(self, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+        """The LoRA weights only (peft key names), for checkpoints and weight sync."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.transformer, adapter_name=adapter_name)
 
     @property
     def has_lora(self) -> bool:
