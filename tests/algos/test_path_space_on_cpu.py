@@ -187,9 +187,13 @@ def naive_kde(x_t, t, x0, v_old, A, gid, h):
 
 
 @pytest.mark.parametrize("h", [1.0, 0.05, None])
-def test_kde_batched_equals_naive_pair_loop(h):
+@pytest.mark.parametrize("layout", ["unequal_shuffled", "equal_shuffled", "equal_contiguous"])
+def test_kde_batched_equals_naive_pair_loop(h, layout):
     gen = torch.Generator().manual_seed(6)
-    x_t, t, x0, v_old, A, gid = _random_groups(gen, [4, 1, 6, 3])
+    sizes = [4, 1, 6, 3] if layout == "unequal_shuffled" else [4, 4, 4]
+    x_t, t, x0, v_old, A, gid = _random_groups(gen, sizes)
+    if layout == "equal_contiguous":
+        gid = torch.arange(12) // 4
     d = x_t[0].numel()
     got = ps.kde_value_gradient(x_t, t, x0, v_old, A, gid, bandwidth=h)
     torch.testing.assert_close(got, naive_kde(x_t, t, x0, v_old, A, gid, d / 2000 if h is None else h))

@@ -117,36 +117,44 @@ def _kde(x_t, t, x0, old_velocity, advantages, group_ids, bandwidth):
     tt = t.to(dt)
     a = advantages.to(dt)
     inv, pos, n_groups, g_max = _group_layout(group_ids)
-    # Padded [n_groups, G_max, ...] views: each group's items are both anchors and pool members.
-    X0 = xe.new_zeros(n_groups, g_max, d)
-    X0[inv, pos] = xe
-    XT = xt.new_zeros(n_groups, g_max, d)
-    XT[inv, pos] = xt
-    Ap = a.new_zeros(n_groups, g_max)
-    Ap[inv, pos] = a
-    member = torch.zeros(n_groups, g_max, dtype=torch.bool, device=x_t.device)
-    member[inv, pos] = True
+    contiguous = n_groups * g_max == B and bool((inv == torch.arange(B, device=inv.device) // g_max).all())
+    if contiguous:
+        # Fast path (the usual layout): equal-size groups stored contiguously -> views, no padding copies.
+        X0, XT = xe.view(n_groups, g_max, d), xt.view(n_groups, g_max, d)
+        Ap = a.view(n_groups, g_max)
+        member = torch.ones(n_groups, g_max, dtype=torch.bool, device=x_t.device)
+    else:
+        # Padded [n_groups, G_max, ...] copies: each group's items are both anchors and pool members.
+        X0 = xe.new_zeros(n_groups, g_max, d)
+        X0[inv, pos] = xe
+        XT = xt.new_zeros(n_groups, g_max, d)
+        XT[inv, pos] = xt
+        Ap = a.new_zeros(n_groups, g_max)
+        Ap[inv, pos] = a
+        member = torch.zeros(n_groups, g_max, dtype=torch.bool, device=x_t.device)
+        member[inv, pos] = True
     # ‖x_t,i − (1−t_i)x0_j‖² = ‖x_t,i‖² − 2(1−t_i)⟨x_t,i, x0_j⟩ + (1−t_i)²‖x0_j‖²  (Gram matrix via bmm).
+    # ‖x_t,i‖² is the same for every member j of anchor i, so it cancels in the softmax and is dropped.
     gram = torch.bmm(XT, X0.transpose(1, 2))[inv, pos]          # [B, G_max]
-    sq0 = (X0 * X0).sum(-1)[inv]                                  # [B, G_max]
-    sqt = (xt * xt).sum(-1, keepdim=True)                         # [B, 1]
+    sq0 = torch.linalg.vector_norm(X0, dim=-1).square()[inv]      # [B, G_max]
     s = (1 - tt).unsqueeze(1)
-    dist = (sqt - 2 * s * gram + s * s * sq0).clamp_min(0)
-    logits = -dist / (2 * h * tt.unsqueeze(1) ** 2)
+    logits = (2 * s * gram - s * s * sq0) / (2 * h * tt.unsqueeze(1) ** 2)
     mask = member[inv]                                            # [B, G_max]
-    logits = logits.masked_fill(~mask, float("-inf"))
+    if not contiguous:
+        logits = logits.masked_fill(~mask, float("-inf"))
     logits = logits - logits.max(dim=1, keepdim=True).values     # max-subtraction
-    w = torch.exp(logits) * mask
+    w = torch.exp(logits)
     w = w / w.sum(dim=1, keepdim=True)
-    # ĝ_i = −Σ_j ω_ij A_j (v_ij − v_old,i) = −S_i·(x_t,i/t_i − v_old,i) + (1/t_i)·Σ_j ω_ij A_j x0_j.
+    # ĝ_i = −Σ_j ω_ij A_j (v_ij − v_old,i) = (Σ_j ω_ij A_j x0_j − S_i·x_t,i)/t_i + S_i·v_old,i,  S_i = Σ_j ω_ij A_j.
     wa = w * Ap[inv]                                              # [B, G_max]
     S = wa.sum(dim=1, keepdim=True)                               # [B, 1]
     # Σ_j ω_ij A_j x0_j as one bmm per group: [n_groups, G_max(anchor), G_max(member)] @ [n_groups, G_max, d].
+    # Rows are pre-scaled by 1/t_i so the bmm yields (1/t_i)·Σ_j ω_ij A_j x0_j directly.
+    inv_t = 1.0 / tt.unsqueeze(1)
     WA = wa.new_zeros(n_groups, g_max, g_max)
-    WA[inv, pos] = wa
-    m = torch.bmm(WA, X0)[inv, pos]                               # [B, d]
-    tcol = tt.unsqueeze(1)
-    g = -S * (xt / tcol - vo) + m / tcol
+    WA[inv, pos] = wa * inv_t
+    g = torch.bmm(WA, X0).view(B, d) if contiguous else torch.bmm(WA, X0)[inv, pos]
+    g.addcmul_(xt, -S * inv_t).addcmul_(vo, S)
     return g.reshape(shape), w, mask
 
 
