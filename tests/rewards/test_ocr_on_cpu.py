@@ -63,3 +63,13 @@ def test_missing_target_is_a_counted_failure(ocr):
     res = reward([_render("Hello")], ["a prompt without quotes"], [{}])
     assert res.failures == {"ocr": 1} and res.scores.tolist() == [-1.0]
     assert res.metrics["reward/failures/ocr"] == 1.0
+
+
+def test_thread_pool_matches_sync(ocr):
+    images = [_render("Open Late Today"), _render("Bakery Cafe")]
+    prompts = ['a sign "Open Late Today"'] * 2
+    sync = ocr(images, prompts, [{}, {}]).scores
+    with build_reward({"ocr": 1.0}, options={"ocr": {"num_threads": 1}}, executor="thread", max_workers=2) as pooled:
+        res = pooled(images, prompts, [{}, {}])
+    assert res.failures == {"ocr": 0}
+    np.testing.assert_allclose(res.scores.numpy(), sync, rtol=1e-6)

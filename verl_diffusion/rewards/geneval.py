@@ -124,7 +124,7 @@ class GenEvalReward(Reward):
         metas = [geneval_metadata(m) for m in metadata]
         out = {k: np.full(n, np.nan) for k in ("scores", "rewards", "strict_rewards")}
         per_tag: dict[str, np.ndarray] = {}
-        self.last_errors = []
+        errors: list[str] = []  # local: threads may score chunks of one batch concurrently
         valid = [i for i in range(n) if metas[i] is not None]
         for s in range(0, len(valid), self.batch_size):
             idx = valid[s : s + self.batch_size]
@@ -136,7 +136,7 @@ class GenEvalReward(Reward):
             try:
                 reply = self.post(payload)
             except GenEvalServerError as e:
-                self.last_errors.append(str(e))
+                errors.append(str(e))
                 continue
             for key in out:
                 out[key][idx] = np.asarray(reply[key], dtype=np.float64)
@@ -145,4 +145,5 @@ class GenEvalReward(Reward):
                 per_tag.setdefault(tag, np.full(n, np.nan))[i] = strict
         details = {"accuracy": out["rewards"], "strict_accuracy": out["strict_rewards"]}
         details.update({f"strict_accuracy/{tag}": v for tag, v in per_tag.items()})
-        return RewardOutput(out[self.score_key], details, errors=list(self.last_errors))
+        self.last_errors = errors
+        return RewardOutput(out[self.score_key], details, errors=errors)

@@ -12,6 +12,7 @@ Install with ``pip install verl-diffusion[ocr]``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -67,21 +68,28 @@ class OCRReward(Reward):
         self._ready = False
 
     def setup(self) -> None:
-        try:
-            from rapidocr_onnxruntime import RapidOCR
-        except ImportError as e:
-            raise ImportError(
-                "the ocr reward needs rapidocr-onnxruntime: pip install 'verl-diffusion[ocr]'"
-            ) from e
-        kwargs: dict[str, Any] = {}
-        if self.num_threads > 0:
-            kwargs = {"intra_op_num_threads": self.num_threads, "inter_op_num_threads": 1}
-        self._m_engine = RapidOCR(**kwargs)
+        self._m_local = threading.local()  # one engine per scoring thread (thread executor)
+        self._engine()  # load now, so a missing package fails here with its message
+
+    def _engine(self) -> Any:
+        engine = getattr(self._m_local, "engine", None)
+        if engine is None:
+            try:
+                from rapidocr_onnxruntime import RapidOCR
+            except ImportError as e:
+                raise ImportError(
+                    "the ocr reward needs rapidocr-onnxruntime: pip install 'verl-diffusion[ocr]'"
+                ) from e
+            kwargs: dict[str, Any] = {}
+            if self.num_threads > 0:
+                kwargs = {"intra_op_num_threads": self.num_threads, "inter_op_num_threads": 1}
+            engine = self._m_local.engine = RapidOCR(**kwargs)
+        return engine
 
     def recognize(self, image: np.ndarray) -> str:
         """All recognised text lines of one RGB uint8 image, joined in reading order."""
         bgr = np.ascontiguousarray(image[..., ::-1])  # the engine takes OpenCV's BGR order
-        result, _ = self._m_engine(bgr, use_cls=self.use_cls)
+        result, _ = self._engine()(bgr, use_cls=self.use_cls)
         if not result:
             return ""
         return "".join(text for _, text, conf in result if float(conf) >= self.min_confidence)
