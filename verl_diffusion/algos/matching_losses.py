@@ -176,7 +176,7 @@ def diffusion_nft_entry(q: StepQuantities, batch: StepBatch, cfg: DiffusionNFTCo
     if cfg.kl_coef > 0:
         kl = _v_space_kl(q, cfg.kl_coef, "diffusion_nft")
         loss = loss + cfg.kl_coef * kl.mean()
-        metrics["actor/kl_loss"] = float(kl.detach().float().mean())
+        metrics["actor/kl"] = float(kl.detach().float().mean())
     return LossOutput(loss=loss, metrics=metrics)
 
 
@@ -277,5 +277,5 @@ def awm_entry(q: StepQuantities, batch: StepBatch, cfg: AWMConfig) -> LossOutput
     if cfg.kl_coef > 0:
         kl = _v_space_kl(q, cfg.kl_coef, "awm")
         loss = loss + cfg.kl_coef * kl.mean()
-        metrics["actor/kl_loss"] = float(kl.detach().float().mean())
+        metrics["actor/kl"] = float(kl.detach().float().mean())
     return LossOutput(loss=loss, metrics=metrics)

@@ -546,7 +546,7 @@ def path_space_loss_entry(q: StepQuantities, batch: StepBatch, cfg: PathSpaceCon
     if cfg.kl_coef > 0:
         kl = _reference_kl(q, batch, cfg, dt)
         loss = loss + cfg.kl_coef * kl.mean()
-        metrics["actor/kl_loss"] = float(kl.detach().float().mean())
+        metrics["actor/kl"] = float(kl.detach().float().mean())
     return LossOutput(loss=loss, metrics=metrics)
 
 
