@@ -122,10 +122,15 @@ class GenEvalReward(Reward):
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict]) -> RewardOutput:
         n = len(images)
         metas = [geneval_metadata(m) for m in metadata]
+        errors: list[str] = []  # local: threads may score chunks of one batch concurrently
         out = {k: np.full(n, np.nan) for k in ("scores", "rewards", "strict_rewards")}
         per_tag: dict[str, np.ndarray] = {}
-        errors: list[str] = []  # local: threads may score chunks of one batch concurrently
         valid = [i for i in range(n) if metas[i] is not None]
+        if len(valid) < n:
+            errors.append(
+                f"{n - len(valid)} row(s) carry no GenEval metadata (reward_model.ground_truth must be the "
+                "tag/include/exclude JSON that data_process/geneval.py writes)"
+            )
         for s in range(0, len(valid), self.batch_size):
             idx = valid[s : s + self.batch_size]
             payload = {

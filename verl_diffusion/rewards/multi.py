@@ -165,26 +165,27 @@ class MultiReward:
         pool = self._get_pool()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
-        # submit everything first so rewards overlap, then collect
+        # Submit every chunk of every reward first so they overlap, then collect. A job is None (score
+        # inline, sync), an exception raised while preparing, or a Future.
         pending: dict[str, list[tuple[slice, Any]]] = {}
         for name, reward in self.rewards.items():
-            chunks = 1 if pool is None else max(1, min(self.max_workers, n))
-            size = math.ceil(n / chunks) if n else 0
-            slices = [slice(s, min(s + size, n)) for s in range(0, n, size)] if n else []
-            pending[name] = []
-            if pool is None:
+            if pool is None or n == 0:
                 pending[name] = [(slice(0, n), None)]
                 continue
             if self.executor == "thread":
                 try:
-                    reward.ensure_ready()  # load once, before threads share it
+                    reward.ensure_ready()  # load once, before the threads use it
                 except Exception as e:
                     pending[name] = [(slice(0, n), e)]
                     continue
-            for sl in slices:
-                fn = reward if self.executor == "thread" else _worker_score
+            size = math.ceil(n / min(self.max_workers, n))
+            pending[name] = []
+            for sl in (slice(s, min(s + size, n)) for s in range(0, n, size)):
                 args = (imgs[sl], prompts[sl], metadata[sl])
-                fut = pool.submit(fn, *args) if self.executor == "thread" else pool.submit(fn, name, *args)
+                if self.executor == "thread":
+                    fut = pool.submit(reward, *args)
+                else:
+                    fut = pool.submit(_worker_score, name, *args)
                 pending[name].append((sl, fut))
 
         components, details, failures, metrics = {}, {}, {}, {}
@@ -195,7 +196,7 @@ class MultiReward:
             for sl, job in pending[name]:
                 try:
                     if job is None:
-                        out = reward(imgs, prompts, metadata)
+                        out = reward(imgs[sl], prompts[sl], metadata[sl])
                     elif isinstance(job, BaseException):
                         raise job
                     else:
