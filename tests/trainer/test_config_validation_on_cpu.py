@@ -1,0 +1,88 @@
+"""main_flowgrpo validates the config before any Ray worker starts: one line naming the field."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from verl_diffusion.main_flowgrpo import ConfigError, add_search_path, prepare_config, validate_config
+from verl_diffusion.trainer.dataset import PromptDataset, collate_prompts, prompt_text
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from verl_diffusion.models.tiny import save_tiny_sd3
+
+    return str(save_tiny_sd3(tmp_path_factory.mktemp("m") / "tiny"))
+
+
+def _cfg(tmp_path, *overrides):
+    with initialize_config_module(config_module="verl_diffusion.config", version_base=None):
+        argv = ["x"]
+        add_search_path(argv)
+        cfg = compose(config_name="tiny_cpu", overrides=[argv[-1], f"trainer.run_dir={tmp_path}",
+                                                        f"trainer.default_local_dir={tmp_path}/ckpt", *overrides])
+    return cfg
+
+
+def _check(cfg):
+    prepare_config(cfg)
+    validate_config(cfg)
+
+
+def test_tiny_default_is_valid(tmp_path, tiny_model):
+    _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}"))
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model\.path is not set"):
+        _check(_cfg(tmp_path, "actor_rollout_ref.model.tiny=null"))
+
+
+def test_model_path_without_pipeline(tmp_path):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path=.*model_index\.json"):
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tmp_path}"))
+
+
+def test_dataset_without_prompt_column(tmp_path, tiny_model):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "a cat"}\n')
+    with pytest.raises(ConfigError, match=r"data\.train_files: .*no 'prompt' column"):
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files=[{f}]"))
+
+
+def test_unknown_loss_and_estimator(tmp_path, tiny_model):
+    m = f"actor_rollout_ref.model.path={tiny_model}"
+    with pytest.raises(ConfigError, match=r"loss_mode='nope' is unknown"):
+        _check(_cfg(tmp_path, m, "actor_rollout_ref.actor.policy_loss.loss_mode=nope"))
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator='nope' is unknown"):
+        _check(_cfg(tmp_path, m, "algorithm.adv_estimator=nope"))
+    with pytest.raises(ConfigError, match=r"clip_rnage"):
+        _check(_cfg(tmp_path, m, "+actor_rollout_ref.actor.policy_loss.clip_rnage=0.1"))
+
+
+def test_group_of_one_with_flow_grpo(tmp_path, tiny_model):
+    with pytest.raises(ConfigError, match=r"rollout\.n=1 with algorithm\.adv_estimator=flow_grpo"):
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.n=1",
+                    "data.train_batch_size=4"))
+
+
+def test_cli_prints_one_line_and_starts_no_ray(tmp_path):
+    env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(tmp_path))
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "algorithm.adv_estimator=nope"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "config error: algorithm.adv_estimator='nope' is unknown" in res.stderr
+    assert "Started a local Ray instance" not in res.stdout + res.stderr
+
+
+def test_prompt_dataset_reads_txt_jsonl_and_chat(tmp_path):
+    (tmp_path / "a.txt").write_text("red apple\n\nblue car\n")
+    (tmp_path / "b.jsonl").write_text('{"prompt": [{"role": "user", "content": "a dog"}], "data_source": "x"}\n')
+    ds = PromptDataset([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")])
+    assert [ds[i]["prompt"] for i in range(len(ds))] == ["red apple", "blue car", "a dog"]
+    batch = collate_prompts([ds[0], ds[2]])
+    assert list(batch["prompt"]) == ["red apple", "a dog"] and batch["data_source"][1] == "x"
+    assert prompt_text("plain") == "plain"

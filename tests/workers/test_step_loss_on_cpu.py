@@ -1,0 +1,117 @@
+"""workers/step_loss.py: only the declared quantities are computed; items follow train_mask; errors teach."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from verl_diffusion.algos.losses import LossSpec
+from verl_diffusion.algos.sde import StepCoefficients, gaussian_log_prob, sampler_coefficients, step_mean
+from verl_diffusion.algos.types import LossOutput, StepNeeds
+from verl_diffusion.workers.step_loss import (DiffusionStepLoss, build_step_batch, make_step_loss, run_step_loss,
+                                              step_tensors, trained_steps)
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    kl_coef: float = 0.0
+
+
+def _rows(B=4, N=3, mask=None):
+    g = torch.Generator().manual_seed(0)
+    sig = torch.tensor([1.0, 0.75, 0.4, 0.0]).expand(B, N + 1).contiguous()
+    cx, cv, sd = (torch.zeros(B, N) for _ in range(3))
+    for k in range(N - 1):
+        c = sampler_coefficients("flow_sde", sig, k, noise_level=0.7)
+        cx[:, k], cv[:, k], sd[:, k] = c.c_x, c.c_v, c.std
+    cx[:, -1], cv[:, -1] = 1.0, -0.4
+    return {"all_latents": torch.randn(B, N + 1, 2, 4, 4, generator=g), "sigmas": sig,
+            "train_mask": mask if mask is not None else torch.tensor([[1, 1, 0]] * B, dtype=torch.int32),
+            "sde_cx": cx, "sde_cv": cv, "sde_std": sd, "rollout_log_probs": torch.randn(B, N, generator=g),
+            "advantages": torch.randn(B, 1, generator=g).expand(B, N).contiguous()}
+
+
+def _spy_loss(needs, keys=("advantages", "old_log_prob"), kl=0.0):
+    seen = {}
+
+    def fn(q, b, cfg):
+        seen["q"], seen["b"] = q, b
+        return LossOutput(-(b.advantages * torch.exp(q.log_prob - b.old_log_prob)).mean() if q.log_prob is not None
+                          else (q.velocity ** 2).mean(), {})
+
+    return DiffusionStepLoss(LossSpec("spy", fn, needs, keys, _Cfg), _Cfg(kl)), seen
+
+
+def _velocity(calls):
+    def v(x, t, rows):
+        calls.append(x.shape[0])
+        return 0.5 * x * t.view(-1, 1, 1, 1)
+    return v
+
+
+def test_log_prob_is_the_kernel_on_stored_coefficients():
+    rows = _rows()
+    loss, seen = _spy_loss(StepNeeds.VELOCITY | StepNeeds.MEAN | StepNeeds.LOG_PROB)
+    calls = []
+    out, n, q, st = run_step_loss(loss, rows, 0, velocity_fn=_velocity(calls))
+    x = rows["all_latents"][:, 0]
+    v = 0.5 * x * rows["sigmas"][:, 0].view(-1, 1, 1, 1)
+    coef = StepCoefficients(rows["sde_cx"][:, 0], rows["sde_cv"][:, 0], rows["sde_std"][:, 0])
+    ref = gaussian_log_prob(rows["all_latents"][:, 1], step_mean(x, v, coef), coef.std)
+    assert torch.equal(q.log_prob, ref) and n == 4 and calls == [4]
+    # only the declared batch fields are filled
+    assert seen["b"].x_t is None and seen["b"].old_mean is None
+    assert torch.equal(seen["b"].old_log_prob, rows["rollout_log_probs"][:, 0])
+
+
+def test_velocity_only_loss_gets_no_log_prob():
+    loss, seen = _spy_loss(StepNeeds.VELOCITY, keys=("advantages",))
+    run_step_loss(loss, _rows(), 0, velocity_fn=_velocity([]))
+    assert seen["q"].velocity is not None and seen["q"].mean is None and seen["q"].log_prob is None
+
+
+def test_items_follow_train_mask_but_forward_keeps_the_batch():
+    mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 0, 0]], dtype=torch.int32)
+    loss, seen = _spy_loss(StepNeeds.VELOCITY | StepNeeds.MEAN | StepNeeds.LOG_PROB)
+    calls = []
+    out, n, q, _ = run_step_loss(loss, _rows(mask=mask), 0, velocity_fn=_velocity(calls))
+    assert n == 3 and calls == [4] and seen["b"].advantages.shape == (3,) and seen["q"].log_prob.shape == (3,)
+    assert trained_steps(mask) == [0]
+    none, n0, _, _ = run_step_loss(loss, _rows(mask=mask), 1, velocity_fn=_velocity([]))
+    assert none is None and n0 == 0
+
+
+def test_reference_is_required_when_kl_is_on():
+    loss, _ = _spy_loss(StepNeeds.VELOCITY, keys=("advantages",), kl=0.1)
+    assert loss.needs_reference()
+    with pytest.raises(ValueError, match="REF_VELOCITY"):
+        run_step_loss(loss, _rows(), 0, velocity_fn=_velocity([]))
+    calls = []
+    run_step_loss(loss, _rows(), 0, velocity_fn=_velocity([]), ref_velocity_fn=_velocity(calls))
+    assert calls == [4]
+
+
+def test_old_mean_from_old_velocities():
+    rows = _rows()
+    rows["old_velocities"] = torch.randn(4, 3, 2, 4, 4)
+    st = step_tensors(rows, 0)
+    ref = rows["sde_cx"][:, 0].view(-1, 1, 1, 1) * rows["all_latents"][:, 0] + \
+        rows["sde_cv"][:, 0].view(-1, 1, 1, 1) * rows["old_velocities"][:, 0]
+    assert torch.allclose(st["old_mean"], ref)
+
+
+def test_make_step_loss_names_unknown_knobs_and_losses():
+    with pytest.raises(ValueError, match="loss_mode"):
+        make_step_loss("no_such_loss")
+    with pytest.raises(ValueError, match="clip_rnage"):
+        make_step_loss("flow_grpo", {"clip_rnage": 0.1})
+    loss = make_step_loss("flow_grpo")
+    assert loss.name == "flow_grpo"
+
+
+def test_missing_advantages_is_one_line():
+    rows = _rows()
+    del rows["advantages"]
+    loss, _ = _spy_loss(StepNeeds.VELOCITY, keys=("advantages",))
+    with pytest.raises(ValueError, match="advantages"):
+        build_step_batch(loss, step_tensors(rows, 0))
