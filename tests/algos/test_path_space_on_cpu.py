@@ -1,7 +1,6 @@
 """SPEC §7 checks 1–8 for verl_diffusion/algos/path_space.py (toy model T, fp64, vectorised Monte Carlo)."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -525,3 +524,21 @@ def test_prepare_with_metrics_reports_kde_weights():
     assert m["actor/kde_weight_entropy"] == pytest.approx(math.log(3), rel=1e-4)   # groups of 3, uniform weights
     assert m["actor/kde_weight_max"] == pytest.approx(1 / 3, rel=1e-4)
     assert m["actor/ps_estimator_norm"] > 0
+
+
+@pytest.mark.parametrize("kl_mode", ["v_space", "gaussian_step", "girsanov"])
+def test_reference_kl_added_with_kl_coef(kl_mode):
+    from verl_diffusion.algos.kl import reference_kl
+
+    gen = torch.Generator().manual_seed(63)
+    batch, _, _ = _trajectory_batch(gen, "flow_sde", 3, 0.7)
+    cfg = ps.PathSpaceConfig(kl_coef=1e-2, kl_mode=kl_mode, noise_level=0.7)
+    b = ps.prepare_path_space(batch, cfg)
+    v = b.old_velocity + 0.1 * torch.randn(b.old_velocity.shape, generator=gen, dtype=F64)
+    v_ref = b.old_velocity + 0.1 * torch.randn(b.old_velocity.shape, generator=gen, dtype=F64)
+    out = get_loss_spec("path_space").fn(StepQuantities(velocity=v, ref_velocity=v_ref), b, cfg)
+    base = get_loss_spec("path_space").fn(StepQuantities(velocity=v), b, ps.PathSpaceConfig(kl_coef=0.0))
+    kl = reference_kl(kl_mode, velocity=v, ref_velocity=v_ref, c_v=b.c_v, std=b.std, t=b.t, dt=b.t - b.t_next,
+                      noise_level=0.7)
+    torch.testing.assert_close(out.loss, base.loss + 1e-2 * kl.mean())
+    assert out.metrics["actor/kl"] == pytest.approx(float(kl.mean()))

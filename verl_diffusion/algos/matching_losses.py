@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from verl_diffusion.algos.kl import reference_kl
 from verl_diffusion.algos.losses import check_choice, register_loss
 from verl_diffusion.algos.path_space import _bcast, _mean_e, transform_advantages
 from verl_diffusion.algos.types import LossOutput, StateSource, StepBatch, StepNeeds, StepQuantities
@@ -147,8 +148,6 @@ class DiffusionNFTConfig:
 
 
 def _v_space_kl(q: StepQuantities, kl_coef: float, loss_name: str) -> torch.Tensor:
-    from verl_diffusion.algos.kl import reference_kl
-
     if q.ref_velocity is None:
         raise ValueError(f"{loss_name}: kl_coef={kl_coef} > 0 but StepQuantities.ref_velocity is None; "
                          "the engine must compute REF_VELOCITY (LossSpec.needs_for adds it when kl_coef > 0)")

@@ -16,14 +16,15 @@ Pure torch + stdlib.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from verl_diffusion.algos.kl import KL_MODES, reference_kl
 from verl_diffusion.algos.losses import LOSSES, LossSpec, check_choice, register_loss
+from verl_diffusion.algos.sde import SAMPLERS, StepCoefficients, step_mean
 from verl_diffusion.algos.types import LossOutput, StateSource, StepBatch, StepNeeds, StepQuantities
 
 ESTIMATORS = ("stochastic", "deterministic", "kde")
@@ -73,8 +74,6 @@ def step_noise(x_t: torch.Tensor, x_next: torch.Tensor, old_velocity: torch.Tens
     Items with τ = 0 (CPS last step, ODE) get z = 0, so the stochastic estimator skips them (§7.3).
     Shapes: x_t, x_next, old_velocity [B, *]; c_x, c_v, std [B].  Returns [B, *].
     """
-    from verl_diffusion.algos.sde import StepCoefficients, step_mean
-
     mean = step_mean(x_t, old_velocity, StepCoefficients(c_x, c_v, std))
     safe = torch.where(std > 0, std, torch.ones_like(std))
     z = (x_next - mean) / _bcast(safe, x_t)
@@ -368,6 +367,8 @@ class PathSpaceConfig:
         check_choice("w1_family", self.w1_family, W1_FAMILIES)
         check_choice("w2_family", self.w2_family, W2_FAMILIES)
         check_choice("xt_source", self.xt_source, XT_SOURCES)
+        check_choice("kl_mode", self.kl_mode, KL_MODES)
+        check_choice("sampler", self.sampler, SAMPLERS)
         if self.estimator == "stochastic" and self.xt_source != "trajectory":
             raise ValueError("estimator='stochastic' needs xt_source='trajectory' (it reads the stored step noise "
                              "z = (x_{t_{k+1}} − μ_old)/τ, SPEC §7.3); use deterministic or kde for forward_noising")
@@ -494,8 +495,6 @@ def prepare_path_space(batch: StepBatch, cfg: PathSpaceConfig) -> StepBatch:
 
 
 def _reference_kl(q: StepQuantities, batch: StepBatch, cfg, dt: Optional[torch.Tensor]) -> torch.Tensor:
-    from verl_diffusion.algos.kl import reference_kl
-
     if q.ref_velocity is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} > 0 but StepQuantities.ref_velocity is None; the engine must "
                          "compute REF_VELOCITY (LossSpec.needs_for adds it when kl_coef > 0)")
