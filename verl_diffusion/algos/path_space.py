@@ -464,8 +464,7 @@ def compute_value_direction(batch: StepBatch, cfg: PathSpaceConfig,
     return kde_value_gradient(x_t, batch.t, batch.x0, v_old, a, batch.group_ids, bandwidth=cfg.kde_bandwidth)
 
 
-def prepare_path_space_with_metrics(batch: StepBatch, cfg: PathSpaceConfig):
-    """:func:`prepare_path_space` plus metrics of the whole step batch (‖ĝ‖_e; KDE weight entropy, max)."""
+def _prepare(batch: StepBatch, cfg: PathSpaceConfig, with_metrics: bool):
     _, prep_keys, _ = path_space_requirements(cfg)
     v_old = batch.old_velocity
     if cfg.xt_source == "forward_noising":
@@ -478,20 +477,32 @@ def prepare_path_space_with_metrics(batch: StepBatch, cfg: PathSpaceConfig):
     batch.require(tuple(k for k in prep_keys if k != "old_velocity"), "path_space (prepare)")
     if v_old is None:
         batch.require(("old_velocity",), "path_space (prepare)")
-    g = compute_value_direction(batch, cfg, old_velocity=v_old)
-    metrics = {"actor/ps_estimator_norm": float(torch.sqrt(_mean_e(g.float() ** 2)).mean())}
+    metrics: dict[str, float] = {}
     if cfg.estimator == "kde":
-        w, mask = kde_weights(batch.x_t, batch.t, batch.x0, batch.group_ids, bandwidth=cfg.kde_bandwidth)
-        metrics.update(kde_weight_metrics(w, mask))
+        a = _anchor_advantages(batch, cfg)
+        g, w, mask = _kde(batch.x_t, batch.t, batch.x0, v_old, a, batch.group_ids, cfg.kde_bandwidth)
+        if with_metrics:
+            metrics.update(kde_weight_metrics(w, mask))
+    else:
+        g = compute_value_direction(batch, cfg, old_velocity=v_old)
+    if with_metrics:
+        metrics["actor/ps_estimator_norm"] = float(torch.sqrt(_mean_e(g.float() ** 2)).mean())
     return dataclasses.replace(batch, value_direction=g), metrics
+
+
+def prepare_path_space_with_metrics(batch: StepBatch, cfg: PathSpaceConfig):
+    """:func:`prepare_path_space` plus metrics of the whole step batch: ‖ĝ‖_e and, for the KDE, the weight
+    entropy / max weight / effective members (one KDE pass). Returns (batch, metrics)."""
+    return _prepare(batch, cfg, True)
 
 
 def prepare_path_space(batch: StepBatch, cfg: PathSpaceConfig) -> StepBatch:
     """Prepare hook: ĝ for one trained step over the whole batch (complete groups), once after the rollout.
 
-    Writes ``value_direction``; θ-independent (SPEC §7.8 "precompute ĝ for every item").
+    Writes ``value_direction``; θ-independent (SPEC §7.8 "precompute ĝ for every item"). No host syncs
+    beyond the group layout; metrics: :func:`prepare_path_space_with_metrics`.
     """
-    return prepare_path_space_with_metrics(batch, cfg)[0]
+    return _prepare(batch, cfg, False)[0]
 
 
 def _reference_kl(q: StepQuantities, batch: StepBatch, cfg, dt: Optional[torch.Tensor]) -> torch.Tensor:
