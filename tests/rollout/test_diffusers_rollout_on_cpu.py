@@ -167,6 +167,10 @@ def test_same_noise_per_group(adapter):
     assert not torch.equal(x[0, -1], x[1, -1])                      # window noise stays independent
     indep = make(adapter).generate(PROMPTS, groups, seed=0)["all_latents"]
     assert not torch.equal(indep[0, 0], indep[1, 0])
+    # verl's uid strings work as group ids (numbered by first appearance).
+    uids = ["u-b"] * 3 + ["u-a"] * 3
+    by_uid = make(adapter, same_noise_per_group=True).generate(PROMPTS, uids, seed=0)["all_latents"]
+    assert torch.equal(by_uid[0, 0], by_uid[2, 0]) and not torch.equal(by_uid[0, 0], by_uid[3, 0])
 
 
 def test_cfg_rollout_stores_negative_embeddings(adapter):

@@ -74,6 +74,14 @@ class RolloutConfig:
             self.window = SdeWindowConfig(**self.window)
 
 
+def _as_group_ids(group_ids) -> torch.Tensor:
+    """LongTensor [B] on CPU; any other sequence (verl's string ``uid`` array) is numbered by first use."""
+    if isinstance(group_ids, torch.Tensor):
+        return group_ids.to(device="cpu", dtype=torch.long)
+    ids: dict = {}
+    return torch.tensor([ids.setdefault(g, len(ids)) for g in list(group_ids)], dtype=torch.long)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -173,7 +181,7 @@ class DiffusersRollout:
         """A training rollout batch (docs/data_flow.md keys).
 
         Args: prompts: B strings (a group repeats its prompt).  group_ids: LongTensor [B], the group of each
-          sample (``uid``).  seed: seeds every draw (same seed → bitwise same batch).  iteration: training
+          sample, or any sequence of B hashables (verl's ``uid`` strings).  seed: seeds every draw (same seed → bitwise same batch).  iteration: training
           iteration (progressive window).  store_velocities: overrides ``cfg.store_velocities``.
           initial_noise: x_{t_0} [B, *] to use instead of drawing it (tests, branched rollouts).
         Returns: all_latents [B, N+1, *], sigmas [B, N+1], train_mask [B, N] int32, rollout_log_probs /
@@ -183,7 +191,8 @@ class DiffusersRollout:
         """
         cfg = self.cfg
         store = cfg.store_velocities if store_velocities is None else store_velocities
-        group_ids = torch.as_tensor(group_ids, dtype=torch.long).cpu()
+        prompts = [str(p) for p in prompts]
+        group_ids = _as_group_ids(group_ids)
         bsz = len(prompts)
         if group_ids.shape != (bsz,):
             raise ValueError(f"group_ids has shape {tuple(group_ids.shape)} but there are {bsz} prompts; "
