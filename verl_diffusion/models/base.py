@@ -74,8 +74,9 @@ class Conditioning:
 
     @classmethod
     def from_dict(cls, batch) -> "Conditioning":
-        """Rebuild from a mapping holding (at least) ``prompt_embeds``; extra keys are ignored."""
-        return cls(**{f.name: batch[f.name] for f in fields(cls) if f.name in batch})
+        """Rebuild from a mapping or TensorDict holding (at least) ``prompt_embeds``; extra keys are ignored."""
+        keys = set(batch.keys())
+        return cls(**{f.name: batch[f.name] for f in fields(cls) if f.name in keys})
 
 
 @runtime_checkable
