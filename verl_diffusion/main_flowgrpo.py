@@ -84,9 +84,9 @@ def validate_config(cfg) -> None:
     loss_mode = arr.actor.policy_loss.loss_mode
     try:
         from verl_diffusion.workers.step_loss import make_step_loss
-        from verl_diffusion.workers.worker import loss_knobs
+        from verl_diffusion.workers.worker import loss_knobs_for
 
-        make_step_loss(loss_mode, loss_knobs(arr.actor.policy_loss))
+        make_step_loss(loss_mode, loss_knobs_for(arr))
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY

@@ -29,7 +29,7 @@ from verl.trainer.ppo.utils import Role
 
 from verl_diffusion.trainer.dataset import PromptDataset, collate_prompts
 from verl_diffusion.trainer.metrics import advantage_summary, reduce_worker_metrics, reward_metrics
-from verl_diffusion.trainer.validation import save_grid
+from verl_diffusion.trainer.validation import log_images, save_grid
 
 
 class CpuAwareResourcePoolManager(ResourcePoolManager):
@@ -197,6 +197,8 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         step = int(self.global_steps)
         self.val_images[step] = images
         path = save_grid(images, os.path.join(self.run_dir, "validation", f"step_{step:05d}.png"), scale=2)
+        if getattr(self, "tracker", None) is not None:
+            log_images(self.tracker, "val/images", images, step)
         res = self.reward_fn(images, prompts, [{} for _ in prompts])
         metrics = {"val/reward_mean": float(res.scores.float().mean()), "val/num_images": float(len(prompts))}
         self.val_history.append({"step": step, **metrics, "grid": path})
@@ -209,7 +211,8 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
 
         cfg = self.config
         logger = Tracking(project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
-                          default_backend=cfg.trainer.logger, config=OmegaConf.to_container(cfg, resolve=True))
+                          default_backend=list(cfg.trainer.logger), config=OmegaConf.to_container(cfg, resolve=True))
+        self.tracker = logger
         self.global_steps = 0
         self._load_checkpoint()
         start_step = self.global_steps

@@ -61,3 +61,22 @@ def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str,
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def log_images(tracker, key: str, images: torch.Tensor, step: int) -> list[str]:
+    """Send a validation grid to the image-capable backends of verl's ``Tracking`` (wandb, tensorboard).
+
+    Returns the backends that received it (console / file trackers take scalars only).
+    """
+    loggers = getattr(tracker, "logger", {}) or {}
+    grid = image_grid(images)
+    sent = []
+    if "wandb" in loggers:
+        import wandb
+
+        wandb.log({key: wandb.Image(grid)}, step=step)
+        sent.append("wandb")
+    if "tensorboard" in loggers:
+        loggers["tensorboard"].writer.add_image(key, grid, step, dataformats="HWC")
+        sent.append("tensorboard")
+    return sent

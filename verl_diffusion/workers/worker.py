@@ -64,6 +64,20 @@ def loss_knobs(policy_loss: Any) -> dict:
     return d
 
 
+def loss_knobs_for(arr_config) -> dict:
+    """Loss knobs of ``actor.policy_loss``, plus ``sampler`` = ``rollout.sde.type`` when the loss config has that
+    field and the user did not set it (the KL formula of flow_grpo_legacy depends on the sampler)."""
+    import dataclasses
+
+    from verl_diffusion.algos.losses import get_loss_spec
+
+    knobs = loss_knobs(arr_config.actor.policy_loss)
+    spec = get_loss_spec(arr_config.actor.policy_loss.loss_mode)
+    if "sampler" in {f.name for f in dataclasses.fields(spec.config)} and "sampler" not in knobs:
+        knobs["sampler"] = str((arr_config.rollout.get("sde", {}) or {}).get("type", "flow_sde"))
+    return knobs
+
+
 def build_rollout_config(rollout_cfg: DictConfig):
     """Our RolloutConfig from ``actor_rollout_ref.rollout`` (sde.{type,noise_level,window}, steps, size)."""
     from verl_diffusion.rollout.diffusers_rollout import RolloutConfig
@@ -148,7 +162,7 @@ class DiffusionActorRolloutRefWorker(Worker):
         torch.manual_seed(int(self.config.actor.fsdp_config.get("seed", 42)))
         actor_cfg = self.config.actor
         self.step_loss = make_step_loss(
-            actor_cfg.policy_loss.loss_mode, loss_knobs(actor_cfg.policy_loss),
+            actor_cfg.policy_loss.loss_mode, loss_knobs_for(self.config),
             log_prob_convention=str(self.config.rollout.get("sde", {}).get("log_prob_convention", "exact")))
 
         # 1. actor: verl's TrainingWorker around our engine (model_type diffusion_model).
