@@ -287,3 +287,21 @@ def test_total_variation_monitor():
     expected = [2 * 0.5 * (1 + math.erf(math.sqrt(65536 * D / 2) / math.sqrt(2))) - 1 for D in kl.tolist()]
     torch.testing.assert_close(tv, torch.tensor(expected, dtype=F64), atol=1e-12, rtol=0)
     assert tv[1].item() == pytest.approx(0.432972, abs=1e-6)
+
+
+def test_step_mean_is_at_least_fp32_for_shared_step_coefficients():
+    # SPEC §0.5: means are computed in fp32 or better. A shared step (1-D grid, int k) gives 0-dim
+    # coefficients, which must not let bf16 latents/velocities pull the mean down to bf16; the mean must
+    # equal the per-sample-coefficient mean bitwise (rollout and training may use either form).
+    s = sde.make_grid(10)
+    x, v = (u.to(torch.bfloat16) for u in _xv())
+    shared = sde.sampler_coefficients("flow_sde", s, 2, noise_level=0.7)
+    per_sample = sde.sampler_coefficients("flow_sde", s.expand(2, 11), 2, noise_level=0.7)
+    assert shared.c_x.dim() == 0 and per_sample.c_x.shape == (2,)
+    m_shared, m_per = sde.step_mean(x, v, shared), sde.step_mean(x, v, per_sample)
+    assert m_shared.dtype == torch.float32 and m_per.dtype == torch.float32
+    assert torch.equal(m_shared, m_per)
+    ref = shared.c_x.item() * x.double() + shared.c_v.item() * v.double()
+    torch.testing.assert_close(m_shared.double(), ref, atol=1e-6, rtol=0)
+    out = sde.sde_step(x, v, shared, generator=torch.Generator().manual_seed(0))
+    assert out.mean.dtype == torch.float32

@@ -15,8 +15,8 @@ step k maps t_k → t_{k+1}, dt = t_{k+1} − t_k < 0, Δt = −dt. Log-probs an
 the latent dims (SPEC §0.3). Shapes: ``B`` samples, ``*`` latent dims.
 
 Dtypes: coefficients are computed in float64 and returned in the dtype of the time tensors given
-(``sigmas`` / ``t``). Means follow torch type promotion of ``x``, ``v`` and the coefficients; log-probs
-and KLs are computed in at least float32.
+(``sigmas`` / ``t``). Means follow torch type promotion of ``x``, ``v`` and the coefficients, at least
+float32; log-probs and KLs are computed in at least float32.
 """
 
 from __future__ import annotations
@@ -270,9 +270,11 @@ def step_mean(x: torch.Tensor, v: torch.Tensor, coef: StepCoefficients) -> torch
     """Mean of the step, μ = c_x·x + c_v·v (SPEC §1.2).
 
     Args: x, v: [B, *].  coef: [B] (or 0-dim) each, broadcast over the latent dims.
-    Returns: μ [B, *] in the promoted dtype of x, v and the coefficients.
+    Returns: μ [B, *] in the promoted dtype of x, v and the coefficients, at least float32 (SPEC §0.5; also
+      for 0-dim coefficients, which torch promotion would otherwise let bf16 latents override).
     """
-    return _per_sample(coef.c_x, x) * x + _per_sample(coef.c_v, v) * v
+    wd = _work_dtype(x, v, coef.c_x, coef.c_v)
+    return _per_sample(coef.c_x.to(wd), x) * x.to(wd) + _per_sample(coef.c_v.to(wd), v) * v.to(wd)
 
 
 def _check_convention(convention: str) -> None:
