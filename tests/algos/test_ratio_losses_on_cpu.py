@@ -389,9 +389,11 @@ def test_s4_check5_predictive_zero_is_first_order():
 
 
 def test_s4_check5_loss_level_equivalence():
-    batch, _, v, coef, _ = make_items(d=8, dv_scale=3e-3, steps=(1, 2, 3, 4, 5, 6, 7, 8))
+    # dv_scale large enough that some items exceed δ (with 3e-3 every D < δ and the check was vacuous)
+    batch, _, v, coef, _ = make_items(d=8, dv_scale=1e-2, steps=(1, 2, 3, 4, 5, 6, 7, 8))
     mu = step_mean(batch.x_t, v, coef)
-    fo, _ = flow_dppo_loss(mu, batch.old_mean, batch.x_next, batch.std, batch.advantages, mask="first_order")
+    fo, m_fo = flow_dppo_loss(mu, batch.old_mean, batch.x_next, batch.std, batch.advantages, mask="first_order")
+    assert 0.0 < m_fo["actor/dppo_mask_frac"].item() < 1.0
     p0, _ = flow_dppo_loss(mu, batch.old_mean, batch.x_next, batch.std, batch.advantages, mask="predictive",
                            predictive_lambda=0.0)
     assert torch.equal(fo, p0)
