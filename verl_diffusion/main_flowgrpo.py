@@ -257,18 +257,19 @@ def main() -> None:
 
 
 def add_search_path(argv: list) -> None:
-    """verl's config tree (``pkg://verl.trainer.config``) and ``./recipes`` on hydra's search path.
+    """verl's config tree (``pkg://verl.trainer.config``) on hydra's search path, and ``./recipes`` as a config dir.
 
     Hydra reads ``hydra.searchpath`` only from the primary config; passing it on the command line makes every
-    config name (package configs and recipes) compose ``ppo_trainer`` the same way.
+    config name (package configs and recipes) compose ``ppo_trainer`` the same way. Primary configs are only
+    looked up in config dirs, so ``./recipes`` (when present) is passed as ``--config-dir``.
     """
-    if any(str(a).startswith("hydra.searchpath") for a in argv[1:]):
-        return
-    paths = ["pkg://verl.trainer.config", "pkg://verl_diffusion.config"]
+    args = [str(a) for a in argv[1:]]
     recipes = os.path.join(os.getcwd(), "recipes")
-    if os.path.isdir(recipes):
-        paths.append("file://" + recipes)
-    argv.append("hydra.searchpath=[" + ",".join(paths) + "]")
+    if os.path.isdir(recipes) and not any(a.startswith(("--config-dir", "-cd")) for a in args):
+        argv.insert(1, "--config-dir=" + recipes)
+    if any(a.startswith("hydra.searchpath") for a in args):
+        return
+    argv.append("hydra.searchpath=[pkg://verl.trainer.config,pkg://verl_diffusion.config]")
 
 
 if __name__ == "__main__":

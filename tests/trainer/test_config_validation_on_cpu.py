@@ -22,7 +22,8 @@ def _cfg(tmp_path, *overrides):
     with initialize_config_module(config_module="verl_diffusion.config", version_base=None):
         argv = ["x"]
         add_search_path(argv)
-        cfg = compose(config_name="tiny_cpu", overrides=[argv[-1], f"trainer.run_dir={tmp_path}",
+        search = [a for a in argv if a.startswith("hydra.searchpath")]
+        cfg = compose(config_name="tiny_cpu", overrides=[*search, f"trainer.run_dir={tmp_path}",
                                                         f"trainer.default_local_dir={tmp_path}/ckpt", *overrides])
     return cfg
 

@@ -301,6 +301,7 @@ class DiffusionActorRolloutRefWorker(Worker):
             self.ema.step(self._update_count)
         self._update_count += 1
         metrics["perf/update_time"] = time.perf_counter() - start
+        metrics["perf/worker_max_rss_gb"] = _max_rss_gb()
         return DataProto(meta_info={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints
@@ -312,6 +313,13 @@ class DiffusionActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+
+def _max_rss_gb() -> float:
+    """Peak resident memory of this worker process (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
 
 
 class _null:
