@@ -23,11 +23,11 @@ import time
 TINY = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "trainer.test_freq=-1", "trainer.logger=[]"]
 
 
-def trainer_side(steps: int, root: str) -> dict:
+def trainer_side(steps: int, root: str, extra: list) -> dict:
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=root)
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", f"trainer.total_training_steps={steps}",
-                          *TINY], capture_output=True, text=True, env=env)
+                          *TINY, *extra], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if res.returncode:
         raise RuntimeError(res.stderr[-3000:])
@@ -98,14 +98,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results/orchestration_overhead.md")
+    ap.add_argument("overrides", nargs="*", help="extra hydra overrides for the trainer side")
     args = ap.parse_args()
-    tr = trainer_side(args.steps, tempfile.mkdtemp(prefix="vd_bench_"))
+    tr = trainer_side(args.steps, tempfile.mkdtemp(prefix="vd_bench_"), args.overrides)
     bare = bare_side(args.steps, threads=2)
     ratio = tr["timing_s/step"] / bare["step"]
     lines = [
         "# Orchestration overhead (tiny_cpu, 2-core CPU)",
         "",
-        f"`python benchmarks/orchestration_overhead.py --steps {args.steps}`; medians over steps 4..{args.steps}.",
+        f"`python benchmarks/orchestration_overhead.py --steps {args.steps} {' '.join(args.overrides)}`; "
+        f"medians over steps 4..{args.steps}.",
         "",
         "| phase | trainer (Ray, 2 workers, FSDP2/gloo) s | bare loop (1 process, 2 threads) s |",
         "|---|---|---|",

@@ -253,9 +253,11 @@ class DiffusionActorRolloutRefWorker(Worker):
         seeds = [int(s) for s in data.non_tensor_batch["seed"]]
         num_steps = data.meta_info.get("num_steps", None)
         engine = self.actor.engine
+        _reshard(engine)   # EMA swaps the sharded parameters: drop unsharded copies kept after a forward
         ctx = self.ema.swap_in() if self.ema is not None else _null()
         with engine.eval_mode(), ctx:
             images = self.rollout.generate_ode(texts, seeds=seeds, num_steps=num_steps)
+            _reshard(engine)
         return DataProto.from_dict(tensors={"images": images})
 
     # ------------------------------------------------------------------ training
@@ -308,11 +310,21 @@ class DiffusionActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        _reshard(self.actor.engine)
         self.actor.save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        _reshard(self.actor.engine)
         self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+
+def _reshard(engine) -> None:
+    """With ``reshard_after_forward=false`` FSDP2 keeps unsharded parameters after a no-grad forward; reshard
+    before anything reads or writes the sharded parameters directly (EMA swap, checkpoint)."""
+    module = getattr(engine, "module", None)
+    if module is not None and hasattr(module, "reshard"):
+        module.reshard()
 
 
 def _max_rss_gb() -> float:
