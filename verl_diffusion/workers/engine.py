@@ -30,8 +30,13 @@ import torch.distributed
 from verl.base_config import BaseConfig
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 from verl.utils.device import get_device_id, get_device_name
-from verl.workers.engine import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+import warnings
+
+with warnings.catch_warnings():
+    # verl announces every optional engine it lacks (torchtitan, veomni, megatron, ...) in every process.
+    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
 from verl_diffusion.workers.step_loss import DiffusionStepLoss, run_step_loss, step_log_probs, step_tensors
 

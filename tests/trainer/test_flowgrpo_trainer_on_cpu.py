@@ -1,0 +1,82 @@
+"""RayFlowGRPOTrainer's token-free helpers, without Ray: advantages through verl's registry, the on-policy
+old-log-prob bypass, metric reduction, and the legacy trainer it subclasses."""
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl import DataProto
+from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, progress_line
+from verl_diffusion.trainer.metrics import reduce_worker_metrics, reward_metrics
+
+
+def _trainer(epochs=1, mini=2, bs=2, n=4):
+    tr = object.__new__(RayFlowGRPOTrainer)
+    tr.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "flow_grpo", "norm_adv_by_std_in_grpo": True,
+                      "flow_grpo": {"std_mode": "global", "adv_eps": 1e-4, "adv_clip_max": 5.0}},
+        "data": {"train_batch_size": bs},
+        "actor_rollout_ref": {"actor": {"ppo_epochs": epochs, "ppo_mini_batch_size": mini},
+                              "rollout": {"n": n, "recompute_old_log_prob": False}}})
+    return tr
+
+
+def _batch():
+    mask = torch.tensor([[1, 1, 0]] * 8, dtype=torch.int32)
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 1.0])
+    return DataProto.from_dict(
+        tensors={"sample_level_rewards": rewards, "train_mask": mask, "rollout_log_probs": torch.randn(8, 3)},
+        non_tensors={"uid": np.array(["a"] * 4 + ["b"] * 4, dtype=object)})
+
+
+def test_legacy_trainer_is_still_there():
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    assert issubclass(RayFlowGRPOTrainer, RayPPOTrainer)
+
+
+def test_advantages_through_verls_registry():
+    tr, batch = _trainer(), _batch()
+    m = tr._compute_advantage(batch)
+    adv = batch.batch["advantages"]
+    assert adv.shape == (8, 3)
+    assert torch.all(adv[:, 2] == 0)                       # broadcast onto train_mask only
+    assert torch.allclose(adv[:4, 0].sum(), torch.tensor(0.0), atol=1e-5)
+    r = batch.batch["sample_level_rewards"]
+    # std over the 8 samples (global), not over the 16 masked (sample, step) items
+    ref = (r[:4] - r[:4].mean()) / (r.std(unbiased=False) + 1e-4)
+    assert torch.allclose(adv[:4, 0], ref, atol=1e-5)
+    assert m["advantages/abs_max"] == pytest.approx(float(adv.abs().max()))
+    assert torch.equal(batch.batch["response_mask"], batch.batch["train_mask"])
+
+
+def test_on_policy_bypass_and_off_policy_detection():
+    tr, batch = _trainer(), _batch()
+    assert tr._on_policy()
+    assert tr._compute_old_log_prob(batch) == {}
+    assert batch.batch["old_log_probs"] is batch.batch["rollout_log_probs"]
+    assert not _trainer(epochs=2)._on_policy()
+    assert not _trainer(mini=1)._on_policy()
+
+
+def test_reward_metrics_zero_std_ratio():
+    batch = _batch()
+    m = reward_metrics(batch.batch["sample_level_rewards"], batch.non_tensor_batch["uid"], {})
+    assert m["reward/zero_std_ratio"] == 0.0
+    same = torch.tensor([1.0, 1.0, 2.0, 3.0])
+    m = reward_metrics(same, np.array(["x", "x", "y", "y"]), {"jpeg": same})
+    assert m["reward/zero_std_ratio"] == 0.5 and m["reward/jpeg/mean"] == pytest.approx(1.75)
+
+
+def test_worker_metric_reduction_keeps_first_micro_step():
+    per_rank = {"actor/log_ratio_abs_max": [[0.0, 0.3], [0.0, 0.1]], "actor/clipfrac": [[0.0, 0.5], [0.5, 1.0]],
+                "grad_norm": [0.2, 0.2]}
+    out = reduce_worker_metrics(per_rank)
+    assert out["actor/first_micro_log_ratio_abs_max"] == 0.0
+    assert out["actor/log_ratio_abs_max"] == 0.3 and out["actor/clipfrac"] == 0.5 and out["grad_norm"] == 0.2
+
+
+def test_progress_line():
+    line = progress_line(3, 10, {"reward/mean": -6.0, "reward/std": 0.1, "loss": 1e-5, "timing_s/step": 0.5})
+    assert line.startswith("step 3/10 | reward -6.0000±0.1000") and line.endswith("0.5s")
