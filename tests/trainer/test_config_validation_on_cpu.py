@@ -70,6 +70,11 @@ def test_group_of_one_with_flow_grpo(tmp_path, tiny_model):
                     "data.train_batch_size=4"))
 
 
+def test_guided_rollout_is_refused(tmp_path, tiny_model):
+    with pytest.raises(ConfigError, match=r"rollout\.guidance_scale=4\.5"):
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.guidance_scale=4.5"))
+
+
 def test_cli_prints_one_line_and_starts_no_ray(tmp_path):
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(tmp_path))
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "algorithm.adv_estimator=nope"],

@@ -109,6 +109,12 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         self.world_size = self.actor_rollout_wg.world_size
         info = self.actor_rollout_wg.init_model()
         self.worker_info = info[0] if isinstance(info, list) else info
+        if self.progress:
+            a = self.config.actor_rollout_ref
+            print(f"workers: {self.world_size} actor+rollout on {self.device_name} ({a.actor.strategy}) | loss {self.worker_info.get('loss')} | "
+                  f"LoRA {'r' + str(a.model.lora_rank) if self.worker_info.get('lora') else 'off'} | "
+                  f"reference {self.worker_info.get('reference')} | {self._batch_samples()} images/step, "
+                  f"{self.total_training_steps} steps", flush=True)
         self.use_critic = False
         self.use_rm = False
 
