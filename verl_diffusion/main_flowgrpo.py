@@ -111,6 +111,11 @@ def validate_config(cfg) -> None:
     if samples % workers:
         raise ConfigError(f"data.train_batch_size × rollout.n = {samples} samples do not split over {workers} workers "
                           "(trainer.nnodes × trainer.n_gpus_per_node)")
+    from verl_diffusion.algos.losses import get_loss_spec
+
+    if get_loss_spec(loss_mode).prepare is not None and int(cfg.data.train_batch_size) % workers:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {workers} "
+                          f"workers; loss_mode={loss_mode} pre-processes whole groups on one worker")
     mini = int(arr.actor.ppo_mini_batch_size) * n
     if samples % mini or mini % workers:
         raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} prompts "

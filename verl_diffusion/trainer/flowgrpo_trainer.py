@@ -258,6 +258,9 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         metrics.update({k: float(np.mean(v)) for k, v in out.meta_info.get("metrics", {}).items()})
         metrics.update(self._compute_reward(batch, images))
         t_rew = time.perf_counter()
+        from verl_diffusion.algos.advantages import group_ids_from_uids
+
+        batch.batch["group_ids"] = group_ids_from_uids(batch.non_tensor_batch["uid"])   # global, from uid
         metrics.update(self._compute_advantage(batch))
         metrics.update(self._compute_old_log_prob(batch))
         metrics.update(self._update_actor(batch, step))

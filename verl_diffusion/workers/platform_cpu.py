@@ -187,6 +187,11 @@ def register_cpu_platform() -> type:
     global _REGISTERED_CLS
     if _REGISTERED_CLS is not None:
         return _REGISTERED_CLS
+    import warnings
+
+    # verl.workers.engine announces each optional engine it lacks (torchtitan, veomni, megatron, ...) in every
+    # process at import; this runs first in register_all(), before that import.
+    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
     from verl.plugin.platform import PlatformRegistry
 
     cls = _platform_class()
