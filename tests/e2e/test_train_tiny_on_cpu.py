@@ -7,8 +7,8 @@ Three claims, each from ``python -m verl_diffusion.main_flowgrpo`` runs (the rea
    train_batch_size × n images), a margin that sampling noise alone crosses with probability < 0.2 %;
 2. the importance ratio is exactly 1 at the first on-policy micro-step (training forwards the same batch
    composition as the rollout, so ℓ_train = ℓ_rollout bitwise; |log ratio| = 0, not just small);
-3. a run stopped after step k (checkpoint at k) and resumed with resume_mode=auto logs the same metrics at
-   step k+1 as an uninterrupted run with the same seed.
+3. a run killed (SIGINT) after its checkpoint at step L and resumed with resume_mode=auto logs the same
+   metrics at step L+1 as an uninterrupted run with the same seed.
 """
 
 import json
@@ -71,14 +71,36 @@ def test_first_on_policy_micro_step_has_ratio_exactly_one(learning_run):
     assert rows[0]["actor/first_micro_log_ratio_abs_max"] == 0.0
 
 
-def test_resume_matches_uninterrupted(tmp_path):
+def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
+    """Kill (SIGINT) a run once its first checkpoint is written, resume with resume_mode=auto, compare step L+1."""
+    import signal
+    import time
+
     k = 3
     common = ["trainer.test_freq=-1", "trainer.val_before_train=false", *LEARN]
-    full, _ = _run(tmp_path / "a", f"trainer.total_training_steps={k + 1}", *common)
-    _run(tmp_path / "b", f"trainer.total_training_steps={k}", f"trainer.save_freq={k}", *common)
-    assert os.path.isfile(tmp_path / "b" / "tiny_cpu" / "checkpoints" / "latest_checkpointed_iteration.txt")
-    resumed, out = _run(tmp_path / "b", f"trainer.total_training_steps={k + 1}", "trainer.resume_mode=auto", *common)
-    assert [r["step"] for r in resumed] == [k + 1], out[-2000:]
-    a, b = full[k], resumed[0]
+    root = tmp_path / "killed"
+    tracker = root / "tiny_cpu" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "trainer.total_training_steps=200",
+                             f"trainer.save_freq={k}", "trainer.max_actor_ckpt_to_keep=2", *common],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 300
+        while not tracker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert tracker.exists(), "the run wrote no checkpoint"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    last = int(tracker.read_text().strip())
+    assert last % k == 0 and last < 200
+    resumed, out = _run(root, f"trainer.total_training_steps={last + 1}", "trainer.resume_mode=auto", *common)
+    assert [r["step"] for r in resumed] == [last + 1], out[-2000:]
+    full, _ = _run(tmp_path / "full", f"trainer.total_training_steps={last + 1}", *common)
+    a, b = full[last], resumed[0]
     for key in ("reward/mean", "reward/std", "advantages/abs_max", "loss", "grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a[key], b[key])
