@@ -1,0 +1,65 @@
+"""main_flowgrpo's platform choice (never a silent CPU fallback on a GPU host) and the run artefacts."""
+
+import os
+
+import pytest
+import torch
+
+import verl_diffusion.main_flowgrpo as mf
+from verl_diffusion.trainer.validation import image_grid, log_images, save_before_after, save_reward_curve
+
+
+def test_cpu_only_host_selects_cpu(monkeypatch):
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr("verl_diffusion.workers.platform_cpu.accelerator_present", lambda: False)
+    monkeypatch.setattr(mf, "_gpu_host", lambda: False)
+    try:
+        assert mf.select_platform() == "cpu" and os.environ["VERL_PLATFORM"] == "cpu"
+    finally:
+        os.environ.pop("VERL_PLATFORM", None)
+
+
+def test_gpu_host_without_cuda_refuses(monkeypatch):
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr("verl_diffusion.workers.platform_cpu.accelerator_present", lambda: False)
+    monkeypatch.setattr(mf, "_gpu_host", lambda: True)
+    with pytest.raises(RuntimeError, match="VERL_PLATFORM=cpu"):
+        mf.select_platform()
+    assert "VERL_PLATFORM" not in os.environ
+
+
+def test_accelerator_or_explicit_choice_is_kept(monkeypatch):
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr("verl_diffusion.workers.platform_cpu.accelerator_present", lambda: True)
+    assert mf.select_platform() == "" and "VERL_PLATFORM" not in os.environ
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    assert mf.select_platform() == "cpu"
+
+
+def test_pkg_paths_resolve_to_packaged_prompts():
+    p = mf.resolve_path("pkg://verl_diffusion/data/tiny_train_prompts.txt")
+    assert os.path.isfile(p)
+
+
+def test_grid_curve_and_before_after(tmp_path):
+    imgs = torch.randint(0, 255, (3, 3, 8, 8), dtype=torch.uint8)
+    g = image_grid(imgs, cols=3, pad=2)
+    assert g.shape == (12, 32, 3)
+    assert (g[2:10, 2:10] == imgs[0].permute(1, 2, 0).numpy()).all()
+    assert os.path.isfile(save_before_after(imgs, imgs, str(tmp_path / "ba.png")))
+    assert os.path.isfile(save_reward_curve([1, 2], [0.1, 0.2], str(tmp_path / "c.png"), val_steps=[2],
+                                            val_rewards=[0.3]))
+
+
+def test_validation_grid_goes_to_tensorboard(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    class _TB:
+        writer = SummaryWriter(str(tmp_path))
+
+    class _Tracker:
+        logger = {"tensorboard": _TB(), "console": object()}
+
+    assert log_images(_Tracker(), "val/images", torch.zeros(2, 3, 8, 8, dtype=torch.uint8), 1) == ["tensorboard"]
+    _TB.writer.close()
+    assert any(f.startswith("events") for f in os.listdir(tmp_path))
