@@ -156,7 +156,8 @@ def build_reward_fn(cfg):
     opts = r.get("options", None)
     return build_reward(OmegaConf.to_container(r.components, resolve=True),
                         options=OmegaConf.to_container(opts, resolve=True) if opts is not None else {},
-                        penalty=float(r.get("penalty", 0.0)), executor=str(r.get("executor", "sync")))
+                        penalty=float(r.get("penalty", 0.0)), executor=str(r.get("executor", "sync")),
+                        max_workers=r.get("max_workers", None), timeout=r.get("timeout", None))
 
 
 def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
