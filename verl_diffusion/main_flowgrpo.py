@@ -81,6 +81,8 @@ def validate_config(cfg) -> None:
                 read_rows(resolve_path(f), prompt_key=cfg.data.get("prompt_key", "prompt"))
             except (FileNotFoundError, ValueError) as e:
                 raise ConfigError(f"data.{field}: {e}") from None
+    if not cfg.reward.get("components"):
+        raise ConfigError("reward.components is empty: give {name: weight}, e.g. reward.components={ocr: 1.0}")
     loss_mode = arr.actor.policy_loss.loss_mode
     try:
         from verl_diffusion.workers.step_loss import make_step_loss

@@ -70,6 +70,11 @@ def test_group_of_one_with_flow_grpo(tmp_path, tiny_model):
                     "data.train_batch_size=4"))
 
 
+def test_empty_reward(tmp_path, tiny_model):
+    with pytest.raises(ConfigError, match=r"^reward\.components is empty"):
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "reward.components={}"))
+
+
 def test_guided_rollout_is_refused(tmp_path, tiny_model):
     with pytest.raises(ConfigError, match=r"rollout\.guidance_scale=4\.5"):
         _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.guidance_scale=4.5"))
