@@ -72,7 +72,7 @@ def test_group_of_one_with_flow_grpo(tmp_path, tiny_model):
 
 def test_empty_reward(tmp_path, tiny_model):
     with pytest.raises(ConfigError, match=r"^reward\.components is empty"):
-        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "reward.components={}"))
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "~reward.components.jpeg_compressibility"))
 
 
 def test_guided_rollout_is_refused(tmp_path, tiny_model):
