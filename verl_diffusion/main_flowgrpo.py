@@ -97,11 +97,6 @@ def validate_config(cfg) -> None:
     if est not in ADV_ESTIMATOR_REGISTRY:
         raise ConfigError(f"algorithm.adv_estimator={est!r} is unknown; choose one of "
                           f"{sorted(k for k in ADV_ESTIMATOR_REGISTRY if str(k).startswith('flow_grpo'))}")
-    g = float(arr.rollout.get("guidance_scale", 1.0))
-    if g != 1.0:
-        raise ConfigError(f"actor_rollout_ref.rollout.guidance_scale={g}: the engine trains the conditional velocity "
-                          "(CFG off in training, docs/data_flow.md), so a guided rollout would be off-policy from "
-                          "the first step; use 1.0")
     n = int(arr.rollout.n)
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1")

@@ -75,11 +75,6 @@ def test_empty_reward(tmp_path, tiny_model):
         _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "~reward.components.jpeg_compressibility"))
 
 
-def test_guided_rollout_is_refused(tmp_path, tiny_model):
-    with pytest.raises(ConfigError, match=r"rollout\.guidance_scale=4\.5"):
-        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.guidance_scale=4.5"))
-
-
 def test_cli_prints_one_line_and_starts_no_ray(tmp_path):
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(tmp_path))
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "algorithm.adv_estimator=nope"],

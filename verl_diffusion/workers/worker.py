@@ -29,8 +29,17 @@ from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, 
 
 # Rollout keys that travel to the engine (images and strings stay behind).
 _TRAIN_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
-               "old_velocities", "prompt_embeds", "pooled_prompt_embeds", "prompt_mask", "old_log_probs",
-               "advantages", "group_ids")
+               "old_velocities", "prompt_embeds", "pooled_prompt_embeds", "prompt_mask", "negative_prompt_embeds",
+               "negative_pooled_prompt_embeds", "negative_prompt_mask", "old_log_probs", "advantages", "group_ids")
+
+
+def _negative_cond(rows):
+    """The unconditional (CFG) conditioning stored by a guided rollout, or None."""
+    from verl_diffusion.models.base import Conditioning
+
+    if "negative_prompt_embeds" not in rows.keys():
+        return None
+    return Conditioning.from_dict({k[len("negative_"):]: rows[k] for k in rows.keys() if k.startswith("negative_")})
 
 
 def init_cpu_process_group() -> None:
@@ -177,14 +186,19 @@ class DiffusionActorRolloutRefWorker(Worker):
         self.adapter = SD3Adapter.from_pretrained(self.config.model.path, dtype=dtype, device=get_device_name())
         self.adapter.transformer = engine.module
         adapter = self.adapter
+        rollout_cfg = build_rollout_config(self.config.rollout)
+        guidance = float(rollout_cfg.guidance_scale)
 
         def velocity_factory(module):
+            # The trained velocity is the sampler's: guided (one batched [negative; conditional] forward, as in
+            # the rollout) when rollout.guidance_scale != 1, so training scores exactly what was sampled.
             def velocity(x_t, t, rows):
-                return adapter.velocity(x_t, t, Conditioning.from_dict(rows))
+                return adapter.velocity(x_t, t, Conditioning.from_dict(rows), guidance_scale=guidance,
+                                        negative_cond=_negative_cond(rows) if guidance != 1.0 else None)
             return velocity
 
         engine.velocity_fn_factory = velocity_factory
-        self.rollout = DiffusersRollout(self.adapter, build_rollout_config(self.config.rollout))
+        self.rollout = DiffusersRollout(self.adapter, rollout_cfg)
 
         # 3. reference: LoRA -> the adapter disabled (engine default); full fine-tune + KL -> frozen copy.
         if self.step_loss.needs_reference() and not engine._is_lora:
@@ -198,7 +212,7 @@ class DiffusionActorRolloutRefWorker(Worker):
                 adapter.transformer = ref_module
                 try:
                     with torch.no_grad():
-                        return adapter.velocity(x_t, t, Conditioning.from_dict(rows))
+                        return velocity_factory(ref_module)(x_t, t, rows)
                 finally:
                     adapter.transformer = saved
 
