@@ -104,3 +104,19 @@ def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
     a, b = full[last], resumed[0]
     for key in ("reward/mean", "reward/std", "advantages/abs_max", "loss", "grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a[key], b[key])
+
+
+def test_lora_cfg_ema_off_policy_through_ray(tmp_path):
+    """LoRA (reference = adapter disabled), CFG 4.5 in rollout and training, EMA, 2 epochs × 2 mini-batches
+    (old log-probs recomputed): the recompute equals the rollout's log-probs and ratio = 1 at the first micro-step."""
+    rows, out = _run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
+                     "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+                     "actor_rollout_ref.rollout.guidance_scale=4.5", "actor_rollout_ref.actor.ema.enable=true",
+                     "actor_rollout_ref.actor.ema.interval=1", "actor_rollout_ref.actor.ppo_epochs=2",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", *LEARN)
+    assert "LoRA r4 | reference adapter_disabled" in out
+    for r in rows:
+        assert r["rollout/train_rollout_log_prob_abs_max"] == 0.0
+        assert r["actor/first_micro_log_ratio_abs_max"] == 0.0
+        assert r["grad_norm"] > 0 and math.isfinite(r["loss"])
+    assert "val/reward_mean" in rows[-1]
