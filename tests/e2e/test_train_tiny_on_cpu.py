@@ -120,3 +120,14 @@ def test_lora_cfg_ema_off_policy_through_ray(tmp_path):
         assert r["actor/first_micro_log_ratio_abs_max"] == 0.0
         assert r["grad_norm"] > 0 and math.isfinite(r["loss"])
     assert "val/reward_mean" in rows[-1]
+
+
+@pytest.mark.parametrize("mode", ["diffusion_nft", "path_space"])
+def test_losses_with_per_step_preparation_through_ray(tmp_path, mode):
+    """Forward-noising states + fresh old velocities (diffusion_nft) and the path-space prepare hook run in the
+    worker over whole groups before mini-batching; 2 steps train with finite loss."""
+    rows, _ = _run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                   f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", *LEARN)
+    assert len(rows) == 2
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
