@@ -131,3 +131,16 @@ def test_losses_with_per_step_preparation_through_ray(tmp_path, mode):
     assert len(rows) == 2
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+
+
+def test_resume_at_an_epoch_boundary(tmp_path):
+    """8 prompts / 4 per step = 2 steps per epoch: a checkpoint at step 4 ends an epoch, where verl does not restore
+    the dataloader; the epoch-seeded sampler still gives step 5 the prompts of the uninterrupted run."""
+    k = 4
+    common = ["trainer.test_freq=-1", "trainer.val_before_train=false", *LEARN]
+    _run(tmp_path / "b", f"trainer.total_training_steps={k}", f"trainer.save_freq={k}", *common)
+    resumed, out = _run(tmp_path / "b", f"trainer.total_training_steps={k + 1}", *common)
+    full, _ = _run(tmp_path / "a", f"trainer.total_training_steps={k + 1}", *common)
+    assert [r["step"] for r in resumed] == [k + 1], out[-2000:]
+    for key in ("reward/mean", "reward/std", "loss", "grad_norm"):
+        assert full[k][key] == pytest.approx(resumed[0][key], rel=1e-6, abs=1e-9), key

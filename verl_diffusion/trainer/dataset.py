@@ -12,7 +12,8 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, Sampler
 
 ROW_KEYS = ("prompt", "negative_prompt", "data_source", "reward_model", "extra_info")
 
@@ -92,3 +93,44 @@ def collate_prompts(items: list[dict]) -> dict:
             arr[i] = it.get(k, None)
         out[k] = arr
     return out
+
+
+class EpochShuffleSampler(Sampler):
+    """A permutation per epoch from ``seed + epoch`` (like DistributedSampler.set_epoch), with a state.
+
+    The order of any epoch depends only on (seed, epoch), so a resumed run sees the same prompts as an
+    uninterrupted one, also when verl skips restoring the dataloader at an epoch boundary (the trainer then
+    sets ``epoch`` from the global step).
+    """
+
+    def __init__(self, n: int, seed: int = 1, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = int(n), int(seed), bool(shuffle)
+        self.epoch = 0
+        self._offset = 0
+        self._yielded = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        start, self._offset = self._offset, 0
+        self._yielded = start
+        for idx in order[start:]:
+            self._yielded += 1
+            yield idx
+        self.epoch += 1
+        self._yielded = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "yielded": self._yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self._offset = int(state.get("yielded", 0))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._offset, self._yielded = int(epoch), 0, 0

@@ -27,7 +27,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.utils import Role
 
-from verl_diffusion.trainer.dataset import PromptDataset, collate_prompts
+from verl_diffusion.trainer.dataset import EpochShuffleSampler, PromptDataset, collate_prompts
 from verl_diffusion.trainer.metrics import advantage_summary, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.validation import log_images, save_grid
 
@@ -79,11 +79,11 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                                                             max_samples=data.get("train_max_samples", -1))
         self.val_dataset = val_dataset or PromptDataset(list(data.val_files), prompt_key=key,
                                                         max_samples=data.get("val_max_samples", -1))
-        gen = torch.Generator()
-        gen.manual_seed(int(data.get("seed", 1)))
+        self.train_sampler = EpochShuffleSampler(len(self.train_dataset), seed=int(data.get("seed", 1)),
+                                                 shuffle=bool(data.get("shuffle", True)))
         self.train_dataloader = StatefulDataLoader(
-            self.train_dataset, batch_size=int(data.train_batch_size), shuffle=bool(data.get("shuffle", True)),
-            drop_last=True, collate_fn=collate_prompts, generator=gen, num_workers=0)
+            self.train_dataset, batch_size=int(data.train_batch_size), sampler=self.train_sampler,
+            drop_last=True, collate_fn=collate_prompts, num_workers=0)
         self.val_dataloader = StatefulDataLoader(self.val_dataset, batch_size=len(self.val_dataset),
                                                  shuffle=False, collate_fn=collate_prompts, num_workers=0)
         if len(self.train_dataloader) < 1:
@@ -95,6 +95,15 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         self.total_training_steps = total
         with open_dict(self.config):
             self.config.actor_rollout_ref.actor.optim.total_training_steps = total
+
+    def _load_checkpoint(self):
+        """verl's resume; at an epoch boundary verl skips the dataloader state, so set the sampler's epoch from
+        the global step (the order of an epoch depends only on (seed, epoch))."""
+        out = super()._load_checkpoint()
+        per_epoch = len(self.train_dataloader)
+        if self.global_steps and per_epoch and self.global_steps % per_epoch == 0:
+            self.train_sampler.set_epoch(self.global_steps // per_epoch)
+        return out
 
     # ------------------------------------------------------------------ workers
 
