@@ -33,6 +33,11 @@ _TRAIN_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_
                "negative_pooled_prompt_embeds", "negative_prompt_mask", "old_log_probs", "advantages", "group_ids")
 
 
+# Rollout outputs that can stay in the worker between rollout and update (the bulk of a step's bytes).
+_HEAVY_KEYS = ("all_latents", "old_velocities", "prompt_embeds", "pooled_prompt_embeds", "prompt_mask",
+               "negative_prompt_embeds", "negative_pooled_prompt_embeds", "negative_prompt_mask")
+
+
 def _negative_cond(rows):
     """The unconditional (CFG) conditioning stored by a guided rollout, or None."""
     from verl_diffusion.models.base import Conditioning
@@ -123,6 +128,7 @@ class DiffusionActorRolloutRefWorker(Worker):
         self.rollout = None
         self.ema = None
         self.step_loss: Optional[DiffusionStepLoss] = None
+        self._cache: Optional[dict] = None
         self._update_count = 0
 
     # ------------------------------------------------------------------ build
@@ -258,6 +264,12 @@ class DiffusionActorRolloutRefWorker(Worker):
         metrics = dict(self.rollout.metrics)
         metrics["perf/rollout_time"] = elapsed
         out["group_ids"] = torch.as_tensor(group_ids, dtype=torch.long)
+        # Heavy per-sample tensors (trajectories, text embeddings) stay in this worker until the update: the
+        # driver needs only images, masks and log-probs, and the next calls get the same rows (same dispatch).
+        self._cache = None
+        if bool(self.config.rollout.get("keep_trajectories_in_worker", True)):
+            self._cache = {"seed": int(meta.get("seed", 0)), "rows": len(texts),
+                           "tensors": {k: out.pop(k) for k in _HEAVY_KEYS if k in out}}
         return DataProto.from_dict(tensors=out, meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -277,10 +289,20 @@ class DiffusionActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ training
 
     def _rows(self, data: DataProto):
+        """This rank's rows: the tensors sent by the driver plus the ones kept here since the rollout."""
         from tensordict import TensorDict
 
-        keys = [k for k in _TRAIN_KEYS if k in data.batch.keys()]
-        return TensorDict({k: data.batch[k] for k in keys}, batch_size=[len(data)])
+        tensors = {k: data.batch[k] for k in _TRAIN_KEYS if k in data.batch.keys()}
+        cache = getattr(self, "_cache", None)
+        if cache is not None and "all_latents" not in tensors:
+            seed = int(data.meta_info.get("seed", cache["seed"]))
+            if cache["rows"] != len(data) or cache["seed"] != seed:
+                raise RuntimeError(
+                    f"worker {self.rank}: the batch ({len(data)} rows, seed {seed}) is not the one this worker rolled "
+                    f"out ({cache['rows']} rows, seed {cache['seed']}); keep the batch order between "
+                    "generate_sequences and update_actor or set rollout.keep_trajectories_in_worker=false")
+            tensors.update({k: v for k, v in cache["tensors"].items() if k in _TRAIN_KEYS})
+        return TensorDict(tensors, batch_size=[len(data)])
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_old_log_prob(self, data: DataProto) -> DataProto:
@@ -312,6 +334,7 @@ class DiffusionActorRolloutRefWorker(Worker):
                              seed=int(meta.get("seed", 0)),
                              dataloader_kwargs={"shuffle": bool(meta.get("shuffle", False))})
         out = self.actor.train_mini_batch(td)
+        self._cache = None
         metrics = dict(tu.get(out, "metrics")) if out is not None else {}
         if self.ema is not None:
             self.ema.step(self._update_count)
