@@ -191,6 +191,8 @@ class DiffusionActorRolloutRefWorker(Worker):
         dtype = torch_dtype(str(self.config.model.get("dtype", "fp32")))
         self.adapter = SD3Adapter.from_pretrained(self.config.model.path, dtype=dtype, device=get_device_name())
         self.adapter.transformer = engine.module
+        # Drop the pipeline's own transformer copy (the engine built the trained one): one copy per process.
+        self.adapter.pipe.transformer = engine.module
         adapter = self.adapter
         rollout_cfg = build_rollout_config(self.config.rollout)
         guidance = float(rollout_cfg.guidance_scale)
