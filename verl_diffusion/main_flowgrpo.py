@@ -16,7 +16,7 @@ import glob
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 CONFIG_ERROR_EXIT = 2
 
