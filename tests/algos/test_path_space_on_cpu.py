@@ -499,8 +499,6 @@ def test_registered_loss_runs_through_engine_glue(preset, xt_source):
     assert w.grad is not None and torch.isfinite(w.grad)
 
 
-@pytest.mark.xfail(strict=False, reason="workers/step_loss.prepare_steps hands the stored trajectory v_old (not the "
-                                        "fresh forward-noising v_old) to prepare; KDE + forward_noising needs the fresh one")
 def test_forward_kde_through_engine_uses_fresh_old_velocity():
     from verl_diffusion.workers.step_loss import PREP_PREFIX, make_step_loss, prepare_steps
 

@@ -230,7 +230,12 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
             st["fresh_old_velocity"] = v_old
             put(PREP_PREFIX + "fresh_old_velocity", k, v_old)
         if spec.prepare is not None:
-            sb = build_step_batch(loss, {**st, "old_velocity": st.get("old_velocity", st.get("fresh_old_velocity"))})
+            # Forward-noising: the state is the fresh x_t, so v_old must be the fresh one computed above (the stored
+            # trajectory v_old belongs to a different state). Trajectory mode: the stored one, else the fresh one.
+            v_old = st.get("fresh_old_velocity") if fresh else st.get("old_velocity")
+            if v_old is None:
+                v_old = st.get("fresh_old_velocity")
+            sb = build_step_batch(loss, {**st, "old_velocity": v_old})
             sb = spec.prepare(sb, loss.cfg)
             if sb.value_direction is not None:
                 put(PREP_PREFIX + "value_direction", k, sb.value_direction)
