@@ -165,6 +165,20 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         batch.batch["returns"] = returns.float()
         return advantage_summary(adv, batch.batch["response_mask"])
 
+    def _subsample_train_steps(self, batch: DataProto, step: int) -> dict[str, float]:
+        """DanceGRPO's per-sample random subset of the window steps (``actor.train_step_fraction``, SPEC §3.1),
+        drawn from ``trainer.seed`` and the step only, so a resumed run draws the same subsets."""
+        from verl_diffusion.trainer.train_masks import subsample_train_steps
+
+        frac = float(self.config.actor_rollout_ref.actor.get("train_step_fraction", 1.0))
+        if frac >= 1.0:
+            return {}
+        seed = (int(self.config.trainer.get("seed", 0)) + int(step)) * 1000 + 7
+        gen = torch.Generator().manual_seed(seed)
+        mask = batch.batch["train_mask"]
+        batch.batch["train_mask"] = subsample_train_steps(mask, frac, gen)
+        return {"actor/window_fraction": float(mask.float().mean())}
+
     def _on_policy(self) -> bool:
         a = self.config.actor_rollout_ref.actor
         return int(a.ppo_epochs) == 1 and self._mini_batch_size() >= self._batch_samples()
@@ -270,6 +284,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         from verl_diffusion.algos.advantages import group_ids_from_uids
 
         batch.batch["group_ids"] = group_ids_from_uids(batch.non_tensor_batch["uid"])   # global, from uid
+        metrics.update(self._subsample_train_steps(batch, step))
         metrics.update(self._compute_advantage(batch))
         metrics.update(self._compute_old_log_prob(batch))
         metrics.update(self._update_actor(batch, step))

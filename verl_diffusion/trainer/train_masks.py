@@ -1,0 +1,42 @@
+"""Driver-side edits of the rollout's ``train_mask`` [B, N] (which (sample, step) items the loss sees).
+
+* :func:`subsample_train_steps`: DanceGRPO's per-sample random subset of the trained steps (SPEC §3.1 preset:
+  a random 60% of the steps per sample), ``actor_rollout_ref.actor.train_step_fraction``;
+
+Pure torch; the trainer calls both on the driver, so the mask the worker trains on is the one the driver logs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def steps_to_keep(n_window: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Steps kept per sample: ⌊fraction·|W_i|⌋ (DanceGRPO's ``int(len · fraction)``), at least 1 when |W_i| ≥ 1."""
+    n = torch.floor(n_window.double() * float(fraction) + 1e-9).long()
+    return torch.where(n_window > 0, n.clamp(min=1), torch.zeros_like(n))
+
+
+def subsample_train_steps(train_mask: torch.Tensor, fraction: float,
+                          generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A random subset of each sample's window steps, drawn independently per sample.
+
+    ``train_mask`` [B, N] (1 = step in the sample's SDE window); returns a mask of the same shape and dtype
+    with ``steps_to_keep(|W_i|, fraction)`` ones per row, all inside the row's window. ``fraction >= 1`` returns
+    the mask unchanged. Deterministic given ``generator``'s seed.
+    """
+    fraction = float(fraction)
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"actor_rollout_ref.actor.train_step_fraction={fraction} must be in (0, 1]")
+    if fraction >= 1.0:
+        return train_mask
+    window = train_mask.bool()
+    scores = torch.rand(train_mask.shape, generator=generator, dtype=torch.float64)
+    scores = scores.masked_fill(~window, float("inf"))
+    # rank of each step among the row's window steps by its random score (0 = smallest)
+    rank = torch.argsort(torch.argsort(scores, dim=1), dim=1)
+    keep = steps_to_keep(window.sum(dim=1), fraction)
+    return ((rank < keep[:, None]) & window).to(train_mask.dtype)
+
