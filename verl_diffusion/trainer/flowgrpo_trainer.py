@@ -179,6 +179,20 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         batch.batch["train_mask"] = subsample_train_steps(mask, frac, gen)
         return {"actor/window_fraction": float(mask.float().mean())}
 
+    def _filter_zero_advantage(self, batch: DataProto) -> dict[str, float]:
+        """SPEC §2.3: samples with A_i = 0 leave the policy-loss items (``algorithm.flow_grpo.filter_zero_advantage``);
+        they stay in the batch, so the worker's prepare hook (KDE pool) still sees whole groups."""
+        from verl_diffusion.trainer.train_masks import filter_zero_advantage
+
+        sub = self.config.algorithm.get("flow_grpo", None) or {}
+        if not bool(sub.get("filter_zero_advantage", False)):
+            return {}
+        mask, metrics = filter_zero_advantage(batch.batch["train_mask"], batch.batch["advantages"])
+        batch.batch["train_mask"] = mask
+        batch.batch["response_mask"] = mask
+        batch.batch["advantages"] = batch.batch["advantages"] * mask.to(batch.batch["advantages"].dtype)
+        return metrics
+
     def _on_policy(self) -> bool:
         a = self.config.actor_rollout_ref.actor
         return int(a.ppo_epochs) == 1 and self._mini_batch_size() >= self._batch_samples()
@@ -286,6 +300,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         batch.batch["group_ids"] = group_ids_from_uids(batch.non_tensor_batch["uid"])   # global, from uid
         metrics.update(self._subsample_train_steps(batch, step))
         metrics.update(self._compute_advantage(batch))
+        metrics.update(self._filter_zero_advantage(batch))
         metrics.update(self._compute_old_log_prob(batch))
         metrics.update(self._update_actor(batch, step))
         t_upd = time.perf_counter()

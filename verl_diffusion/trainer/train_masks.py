@@ -2,6 +2,9 @@
 
 * :func:`subsample_train_steps`: DanceGRPO's per-sample random subset of the trained steps (SPEC §3.1 preset:
   a random 60% of the steps per sample), ``actor_rollout_ref.actor.train_step_fraction``;
+* :func:`filter_zero_advantage`: SPEC §2.3, samples with A_i = 0 leave the policy-loss items
+  (``algorithm.flow_grpo.filter_zero_advantage``). They stay in the batch, so the worker's per-step
+  ``prepare`` (path-space ĝ / KDE pool) still sees every member of every group.
 
 Pure torch; the trainer calls both on the driver, so the mask the worker trains on is the one the driver logs.
 """
@@ -40,3 +43,19 @@ def subsample_train_steps(train_mask: torch.Tensor, fraction: float,
     keep = steps_to_keep(window.sum(dim=1), fraction)
     return ((rank < keep[:, None]) & window).to(train_mask.dtype)
 
+
+def filter_zero_advantage(train_mask: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Drop samples whose advantage is exactly 0 from the trained items (SPEC §2.3).
+
+    ``advantages`` [B, N] is A_i broadcast onto ``train_mask``. Returns the new mask and
+    ``{"actor/filtered_frac": dropped samples / samples with a trained step, "actor/filter_skipped": 0|1}``.
+    When every sample has A_i = 0 nothing is dropped (``filter_skipped`` = 1): an update with no trained item
+    has no forward and FSDP's gradient clipping needs one; with all A_i = 0 the policy term is 0 anyway.
+    """
+    trained = train_mask.bool().any(dim=1)
+    zero = ((advantages * train_mask.to(advantages.dtype)) == 0).all(dim=1) & trained
+    n_trained = int(trained.sum())
+    if n_trained == 0 or bool(zero[trained].all()):
+        return train_mask, {"actor/filtered_frac": 0.0, "actor/filter_skipped": float(n_trained > 0)}
+    mask = train_mask * (~zero).to(train_mask.dtype)[:, None]
+    return mask, {"actor/filtered_frac": float(zero.sum()) / n_trained, "actor/filter_skipped": 0.0}

@@ -212,8 +212,19 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
             out[name] = torch.zeros((B, N) + tuple(val.shape[1:]), dtype=val.dtype)
         out[name][:, k] = val.detach()
 
+    # Pool members of the prepare hook (KDE) carry their per-sample advantage A_j at every trained step, also where
+    # their own item is not trained (per-sample step subsets, zero-advantage filtering): the estimator broadcasts
+    # A onto train_mask only, so the column at k would read 0 for them.
+    sample_adv = None
+    if spec.prepare is not None and rows.get("advantages", None) is not None:
+        m = rows["train_mask"].bool()
+        first = m.to(torch.int8).argmax(dim=1)              # first trained step of each sample (0 if none)
+        sample_adv = rows["advantages"].gather(1, first[:, None]).squeeze(1) * m.any(dim=1)
+
     for k in steps:
         st = step_tensors(rows, k)
+        if sample_adv is not None:
+            st["advantages"] = sample_adv
         if fresh:
             t = st["t"]
             noise = torch.randn(lat[:, -1].shape, generator=generator, dtype=lat.dtype)
