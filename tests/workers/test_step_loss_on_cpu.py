@@ -115,3 +115,37 @@ def test_missing_advantages_is_one_line():
     loss, _ = _spy_loss(StepNeeds.VELOCITY, keys=("advantages",))
     with pytest.raises(ValueError, match="advantages"):
         build_step_batch(loss, step_tensors(rows, 0))
+
+
+def test_tempflow_reads_step_advantages_when_the_batch_has_them():
+    """Process advantages of a branched rollout reach tempflow_grpo (an optional key, never required)."""
+    from verl_diffusion.algos.ratio_losses import tempflow_grpo_loss
+    from verl_diffusion.workers.worker import _TRAIN_KEYS
+
+    assert "step_advantages" in _TRAIN_KEYS                 # travels from the DataProto to the engine
+    loss = make_step_loss("tempflow_grpo", {"clip_range": 1e-4, "scale": 2.25, "kl_coef": 0.0})
+    assert "step_advantages" not in loss.spec.batch_keys and "step_advantages" in loss.spec.optional_batch_keys
+    vel = lambda x, t, r: 0.5 * x * t.view(-1, 1, 1, 1)  # noqa: E731
+    rows = _rows()
+    plain, n, q, _ = run_step_loss(loss, rows, 1, velocity_fn=vel)   # absent: falls back to advantages
+    rows["step_advantages"] = torch.tensor([[0.0, 2.0, 0.0], [0.0, -1.0, 0.0], [0.0, 0.5, 0.0], [0.0, 3.0, 0.0]])
+    out, n, q, st = run_step_loss(loss, rows, 1, velocity_fn=vel)
+    assert n == 4 and torch.equal(st["step_advantages"], rows["step_advantages"][:, 1])
+    ref, _ = tempflow_grpo_loss(q.log_prob, st["old_log_prob"], rows["step_advantages"][:, 1], st["std"],
+                                scale=2.25, clip_range=1e-4)
+    torch.testing.assert_close(out.loss, ref.mean())
+    ref_plain, _ = tempflow_grpo_loss(q.log_prob, st["old_log_prob"], rows["advantages"][:, 1], st["std"],
+                                      scale=2.25, clip_range=1e-4)
+    torch.testing.assert_close(plain.loss, ref_plain.mean())
+    assert not torch.allclose(out.loss, plain.loss)
+
+
+def test_optional_keys_are_sliced_with_the_items_and_never_required():
+    mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 0, 0]], dtype=torch.int32)
+    loss, seen = _spy_loss(StepNeeds.VELOCITY, keys=("advantages",))
+    run_step_loss(loss, _rows(mask=mask), 0, velocity_fn=_velocity([]))
+    assert seen["b"].step_advantages is None
+    rows = _rows(mask=mask)
+    rows["step_advantages"] = torch.arange(12.0).view(4, 3)
+    run_step_loss(loss, rows, 0, velocity_fn=_velocity([]))
+    assert seen["b"].step_advantages.tolist() == [0.0, 6.0, 9.0]

@@ -19,6 +19,10 @@ LossFn = Callable[[StepQuantities, StepBatch, Any], LossOutput]
 PrepareFn = Callable[[StepBatch, Any], StepBatch]
 
 
+# Fields every loss receives when the rollout batch carries them (a loss without a use for them ignores them).
+OPTIONAL_BATCH_KEYS: tuple[str, ...] = ("step_advantages",)
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """What the engine must know about a registered loss."""
@@ -35,6 +39,9 @@ class LossSpec:
     state_source: StateSource = StateSource.TRAJECTORY
     # Optional per-step pre-processing over whole groups (see PrepareFn).
     prepare: Optional[PrepareFn] = None
+    # StepBatch fields handed over when the batch has them and left None otherwise (never required), e.g. the
+    # per-step process advantages of a branched TempFlow rollout (SPEC §3.3).
+    optional_batch_keys: tuple[str, ...] = OPTIONAL_BATCH_KEYS
 
     def needs_for(self, cfg: Any) -> StepNeeds:
         """Declared needs plus REF_VELOCITY when the config turns a reference KL on (``kl_coef > 0``)."""
@@ -54,11 +61,13 @@ LOSSES: dict[str, LossSpec] = {}
 
 def register_loss(name: str, *, needs: StepNeeds, batch_keys: tuple[str, ...], config: type,
                   state_source: StateSource = StateSource.TRAJECTORY,
-                  prepare: Optional[PrepareFn] = None) -> Callable[[LossFn], LossFn]:
+                  prepare: Optional[PrepareFn] = None,
+                  optional_batch_keys: tuple[str, ...] = OPTIONAL_BATCH_KEYS) -> Callable[[LossFn], LossFn]:
     """Decorator: register ``fn`` under ``name``. Re-registering a different function raises."""
 
     def wrap(fn: LossFn) -> LossFn:
-        spec = LossSpec(name, fn, needs, tuple(batch_keys), config, state_source, prepare)
+        spec = LossSpec(name, fn, needs, tuple(batch_keys), config, state_source, prepare,
+                        tuple(optional_batch_keys))
         old = LOSSES.get(name)
         if old is not None and old.fn is not fn:
             raise KeyError(f"loss {name!r} is already registered by {old.fn.__module__}.{old.fn.__qualname__}")

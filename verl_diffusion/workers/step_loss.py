@@ -108,6 +108,8 @@ def step_tensors(rows: Mapping[str, torch.Tensor], k: int) -> dict[str, Optional
         "advantages": _col(rows, "advantages", k),
         "old_velocity": _col(rows, "old_velocities", k),
         "group_ids": rows.get("group_ids", None),
+        # Process advantages of a branched rollout (TempFlow, SPEC §3.3) [B, N], when the batch has them.
+        "step_advantages": _col(rows, "step_advantages", k),
     }
     if out["old_log_prob"] is None:
         out["old_log_prob"] = _col(rows, "rollout_log_probs", k)
@@ -127,15 +129,17 @@ def step_tensors(rows: Mapping[str, torch.Tensor], k: int) -> dict[str, Optional
 
 
 def build_step_batch(loss: DiffusionStepLoss, st: Mapping[str, Optional[torch.Tensor]]) -> StepBatch:
-    """StepBatch with ``advantages`` and exactly the fields ``loss.spec.batch_keys`` names."""
+    """StepBatch with ``advantages``, the fields ``loss.spec.batch_keys`` names, and those of
+    ``loss.spec.optional_batch_keys`` that the batch has (the others stay None; they are never required)."""
     if st.get("advantages") is None:
         raise ValueError("the batch has no 'advantages'; the trainer computes them before update_actor")
     names = {f.name for f in dataclasses.fields(StepBatch)}
     kwargs = {"advantages": st["advantages"]}
-    for key in loss.spec.batch_keys:
+    optional = tuple(getattr(loss.spec, "optional_batch_keys", ()) or ())
+    for key in tuple(loss.spec.batch_keys) + optional:
         if key not in names:
             raise ValueError(f"loss {loss.name!r} declares batch key {key!r}, which StepBatch has no field for")
-        if key != "advantages":
+        if key != "advantages" and key not in kwargs:
             kwargs[key] = st.get(key)
     return StepBatch(**kwargs)
 

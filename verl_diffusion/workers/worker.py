@@ -30,7 +30,8 @@ from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, 
 # Rollout keys that travel to the engine (images and strings stay behind).
 _TRAIN_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
                "old_velocities", "prompt_embeds", "pooled_prompt_embeds", "prompt_mask", "negative_prompt_embeds",
-               "negative_pooled_prompt_embeds", "negative_prompt_mask", "old_log_probs", "advantages", "group_ids")
+               "negative_pooled_prompt_embeds", "negative_prompt_mask", "old_log_probs", "advantages", "group_ids",
+               "step_advantages")
 
 
 # Rollout outputs that can stay in the worker between rollout and update (the bulk of a step's bytes).
