@@ -194,3 +194,42 @@ def test_registered_entries_with_kl():
     out = get_loss_spec("awm").fn(StepQuantities(velocity=vt, ref_velocity=v_ref), b, ml.AWMConfig())
     item, _ = ml.awm_loss(vt, eps, x0, t, A)
     torch.testing.assert_close(out.loss, item.mean() + 0.003 * kl)
+
+
+def test_awm_off_policy_reads_the_pre_update_velocity_through_the_engine_glue():
+    """SPEC §6 off_policy: needs_for adds OLD_VELOCITY_FRESH; prepare_steps computes v_old with the pre-update
+    weights at the fresh state; ρ = exp(ℓ_θ − ℓ_old) is 1 before the update and moves after it."""
+    from verl_diffusion.algos import sde
+    from verl_diffusion.workers.step_loss import PREP_PREFIX, make_step_loss, prepare_steps, run_step_loss
+
+    on = make_step_loss("awm", {"kl_coef": 0.0})
+    off = make_step_loss("awm", {"kl_coef": 0.0, "off_policy": True})
+    assert not (on.needs & StepNeeds.OLD_VELOCITY_FRESH)
+    assert off.needs & StepNeeds.OLD_VELOCITY_FRESH and off.needs & StepNeeds.VELOCITY
+    g = torch.Generator().manual_seed(9)
+    B, N = 4, 3
+    sig = sde.make_grid(N, 3.0, dtype=torch.float32)
+    rows = {"all_latents": torch.randn(B, N + 1, 2, 3, generator=g), "sigmas": sig.expand(B, N + 1).clone(),
+            "train_mask": torch.tensor([[0, 1, 0]] * B, dtype=torch.int32),
+            "advantages": torch.tensor([1.0, -2.0, 0.5, 3.0])[:, None] * torch.tensor([[0, 1, 0]])}
+    w = torch.tensor(0.9, requires_grad=True)
+    vfn = lambda x, t, r: w * x  # noqa: E731
+    rows.update(prepare_steps(off, rows, velocity_fn=vfn, generator=g))
+    x_t = rows[PREP_PREFIX + "x_t"][:, 1]
+    torch.testing.assert_close(rows[PREP_PREFIX + "fresh_old_velocity"][:, 1], 0.9 * x_t)
+    out, n, q, st = run_step_loss(off, rows, 1, velocity_fn=vfn)
+    assert n == 4 and out.metrics["actor/awm_ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    with torch.no_grad():
+        w.fill_(0.7)                                             # "after an optimizer step"
+    out, _, q, st = run_step_loss(off, rows, 1, velocity_fn=vfn)
+    x0, eps = rows["all_latents"][:, -1], rows[PREP_PREFIX + "noise"][:, 1]
+    item, m = ml.awm_loss(0.7 * x_t, eps, x0, st["t"], st["advantages"], old_velocity=0.9 * x_t)
+    torch.testing.assert_close(out.loss, item.mean())
+    assert m["actor/awm_ratio_mean"] != pytest.approx(1.0)
+    assert out.metrics["actor/awm_ratio_mean"] == pytest.approx(m["actor/awm_ratio_mean"])
+    # on-policy ignores v_old: ρ ≡ 1 even after the update
+    on_out, _, _, _ = run_step_loss(on, rows, 1, velocity_fn=vfn)
+    assert on_out.metrics["actor/awm_ratio_mean"] == 1.0
+    with pytest.raises(ValueError, match="OLD_VELOCITY_FRESH"):
+        get_loss_spec("awm").fn(StepQuantities(velocity=x_t), StepBatch(advantages=st["advantages"], x0=x0,
+                                                                        noise=eps, t=st["t"]), off.cfg)

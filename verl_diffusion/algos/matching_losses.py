@@ -9,6 +9,7 @@ Shapes: ``B`` items, ``*`` latent dims; reductions are per-element means (SPEC �
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 
 from verl_diffusion.algos.kl import reference_kl
-from verl_diffusion.algos.losses import check_choice, register_loss
+from verl_diffusion.algos.losses import LOSSES, LossSpec, check_choice, register_loss
 from verl_diffusion.algos.path_space import _bcast, _mean_e, transform_advantages
 from verl_diffusion.algos.types import LossOutput, StateSource, StepBatch, StepNeeds, StepQuantities
 
@@ -248,6 +249,10 @@ class AWMConfig:
     num_train_times: int = 1
     time_fraction: float = 1.0
     xt_source: str = "forward_noising"
+    # SPEC §6 option off_policy: ρ against θ_old at the identical (x_t, t, ε). The engine's θ_old is the weights
+    # before this rollout's update (a no-grad forward per item in prepare_steps, as DiffusionNFT's v_old), i.e.
+    # the §8.2 KL-EMA adapter with d = 0; a soft (d > 0) adapter copy is not kept by the worker.
+    off_policy: bool = False
 
     def __post_init__(self):
         check_choice("phi", self.phi, AWM_PHIS)
@@ -262,12 +267,15 @@ class AWMConfig:
 def awm_entry(q: StepQuantities, batch: StepBatch, cfg: AWMConfig) -> LossOutput:
     """Registered ``awm``: mean[max(−A''ρ, −A''·clip(ρ, 1±ε_c))] + β_KL·mean‖v_θ − v_ref‖²_e (SPEC §6).
 
-    On-policy by default (ℓ_old = sg(ℓ_θ)); when the engine supplies ``q.old_velocity`` the ratio is
-    off-policy against it. The β_ema term (KL-EMA adapter) is not part of this loss.
+    On-policy by default (ℓ_old = sg(ℓ_θ)); with ``off_policy=True`` the engine supplies ``q.old_velocity``
+    (θ_old = the pre-update weights at the identical fresh state) and the ratio is off-policy against it. The β_ema term (KL-EMA adapter) is not part of this loss.
     """
     batch.require(("advantages", "x0", "noise", "t"), "awm")
     if q.velocity is None:
         raise ValueError("awm needs StepQuantities.velocity (StepNeeds.VELOCITY)")
+    if cfg.off_policy and q.old_velocity is None:
+        raise ValueError("awm with off_policy=True needs the fresh no-grad v_old (StepNeeds.OLD_VELOCITY_FRESH) in "
+                         "StepQuantities.old_velocity; AWMLossSpec.needs_for adds it")
     item, metrics = awm_loss(q.velocity, batch.noise, batch.x0, batch.t, batch.advantages,
                              old_velocity=q.old_velocity, phi=cfg.phi, clip_range=cfg.clip_range,
                              adv_clip_max=cfg.adv_clip_max, adv_scale=cfg.adv_scale, ghuber_power=cfg.ghuber_power)
@@ -278,3 +286,16 @@ def awm_entry(q: StepQuantities, batch: StepBatch, cfg: AWMConfig) -> LossOutput
         loss = loss + cfg.kl_coef * kl.mean()
         metrics["actor/kl"] = float(kl.detach().float().mean())
     return LossOutput(loss=loss, metrics=metrics)
+
+
+class AWMLossSpec(LossSpec):
+    """``awm`` spec whose needs follow the config: ``off_policy=True`` adds OLD_VELOCITY_FRESH."""
+
+    def needs_for(self, cfg) -> StepNeeds:
+        needs = super().needs_for(cfg)
+        if getattr(cfg, "off_policy", False):
+            needs |= StepNeeds.OLD_VELOCITY_FRESH
+        return needs
+
+
+LOSSES["awm"] = AWMLossSpec(**{f.name: getattr(LOSSES["awm"], f.name) for f in dataclasses.fields(LossSpec)})
