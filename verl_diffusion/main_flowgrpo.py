@@ -83,6 +83,18 @@ def validate_config(cfg) -> None:
                 raise ConfigError(f"data.{field}: {e}") from None
     if not cfg.reward.get("components"):
         raise ConfigError("reward.components is empty: give {name: weight}, e.g. reward.components={ocr: 1.0}")
+    try:
+        from verl_diffusion.algos.windows import window_steps
+        from verl_diffusion.workers.worker import build_rollout_config
+
+        rollout_cfg = build_rollout_config(arr.rollout)
+        window_steps(rollout_cfg.window, num_steps=rollout_cfg.num_steps)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"actor_rollout_ref.rollout: {str(e).strip(chr(39) + chr(34))}") from None
+    frac = float(arr.actor.get("train_step_fraction", 1.0))
+    if not 0.0 < frac <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.train_step_fraction={frac} must be in (0, 1] "
+                          "(1.0 trains every window step; DanceGRPO uses 0.6)")
     loss_mode = arr.actor.policy_loss.loss_mode
     try:
         from verl_diffusion.workers.step_loss import make_step_loss
@@ -225,7 +237,8 @@ def write_artifacts(trainer, run_dir: str) -> dict:
     if len(trainer.val_images) >= 2:
         first, last = min(trainer.val_images), max(trainer.val_images)
         out["before_after"] = save_before_after(trainer.val_images[first], trainer.val_images[last],
-                                                os.path.join(run_dir, "before_after.png"))
+                                                os.path.join(run_dir, "before_after.png"),
+                                                labels=(f"step {first}", f"step {last}"))
     return out
 
 

@@ -92,3 +92,16 @@ def test_prompt_dataset_reads_txt_jsonl_and_chat(tmp_path):
     batch = collate_prompts([ds[0], ds[2]])
     assert list(batch["prompt"]) == ["red apple", "a dog"] and batch["data_source"][1] == "x"
     assert prompt_text("plain") == "plain"
+
+
+@pytest.mark.parametrize("override, field", [
+    ("actor_rollout_ref.rollout.sde.type=euler", "sde.type"),
+    ("actor_rollout_ref.rollout.sde.window.size=9", "window"),
+    ("actor_rollout_ref.rollout.sde.window.mode=sliding", "window"),
+    ("actor_rollout_ref.actor.train_step_fraction=1.5", "train_step_fraction"),
+])
+def test_sampler_window_and_step_fraction_refused_before_ray(tmp_path, tiny_model, override, field):
+    with pytest.raises(ConfigError) as e:
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", override))
+    msg = str(e.value)
+    assert "\n" not in msg and field.split(".")[-1] in msg, msg

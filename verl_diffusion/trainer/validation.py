@@ -35,10 +35,30 @@ def save_grid(images: torch.Tensor, path: str, *, cols: Optional[int] = None, sc
     return path
 
 
-def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, scale: int = 2) -> str:
-    """Top row: validation images before training; bottom row: after (same prompts and seeds)."""
-    both = torch.cat([before, after])
-    return save_grid(both, path, cols=before.shape[0], scale=scale)
+def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, scale: int = 2,
+                      labels: Sequence[str] = ("before", "after")) -> str:
+    """Top row: validation images before training; bottom row: after (same prompts and seeds).
+
+    Each row is labelled on a white left margin so the picture reads on its own.
+    """
+    from PIL import Image, ImageDraw
+
+    rows = [image_grid(imgs, cols=imgs.shape[0]) for imgs in (before, after)]
+    width = max(r.shape[1] for r in rows)
+    margin = 7 * max(len(t) for t in labels) + 10  # output pixels: PIL's default font is ~6 px a character
+    canvas = Image.new("RGB", (width * scale + margin, sum(r.shape[0] for r in rows) * scale), "white")
+    draw = ImageDraw.Draw(canvas)
+    y = 0
+    for grid, text in zip(rows, labels):
+        img = Image.fromarray(grid)
+        if scale > 1:
+            img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+        canvas.paste(img, (margin, y))
+        draw.text((4, y + img.height // 2 - 6), text, fill=(0, 0, 0))
+        y += img.height
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    canvas.save(path)
+    return path
 
 
 def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str, *,
