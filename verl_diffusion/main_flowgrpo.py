@@ -90,7 +90,9 @@ def validate_config(cfg) -> None:
         rollout_cfg = build_rollout_config(arr.rollout)
         window_steps(rollout_cfg.window, num_steps=rollout_cfg.num_steps)
     except (KeyError, ValueError, TypeError) as e:
-        raise ConfigError(f"actor_rollout_ref.rollout: {str(e).strip(chr(39) + chr(34))}") from None
+        msg = str(e).strip("'\"")
+        raise ConfigError(f"actor_rollout_ref.{msg}" if msg.startswith("rollout.")
+                          else f"actor_rollout_ref.rollout: {msg}") from None
     frac = float(arr.actor.get("train_step_fraction", 1.0))
     if not 0.0 < frac <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.train_step_fraction={frac} must be in (0, 1] "
