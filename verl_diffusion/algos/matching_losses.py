@@ -249,9 +249,10 @@ class AWMConfig:
     num_train_times: int = 1
     time_fraction: float = 1.0
     xt_source: str = "forward_noising"
-    # SPEC §6 option off_policy: ρ against θ_old at the identical (x_t, t, ε). The engine's θ_old is the weights
-    # before this rollout's update (a no-grad forward per item in prepare_steps, as DiffusionNFT's v_old), i.e.
-    # the §8.2 KL-EMA adapter with d = 0; a soft (d > 0) adapter copy is not kept by the worker.
+    # SPEC §6 option off_policy: ρ against θ_old at the identical (x_t, t, ε) (a no-grad forward per item in
+    # prepare_steps, as DiffusionNFT's v_old). θ_old is the §8.2 KL-EMA adapter kept by the worker with
+    # actor.old_policy (awm_linear / awm_constant, which also samples the rollout); with schedule none it is the
+    # weights before this rollout's update (d = 0).
     off_policy: bool = False
 
     def __post_init__(self):
@@ -268,7 +269,8 @@ def awm_entry(q: StepQuantities, batch: StepBatch, cfg: AWMConfig) -> LossOutput
     """Registered ``awm``: mean[max(−A''ρ, −A''·clip(ρ, 1±ε_c))] + β_KL·mean‖v_θ − v_ref‖²_e (SPEC §6).
 
     On-policy by default (ℓ_old = sg(ℓ_θ)); with ``off_policy=True`` the engine supplies ``q.old_velocity``
-    (θ_old = the pre-update weights at the identical fresh state) and the ratio is off-policy against it. The β_ema term (KL-EMA adapter) is not part of this loss.
+    (θ_old at the identical fresh state: the soft KL-EMA copy of ``actor.old_policy``, else the pre-update
+    weights) and the ratio is off-policy against it. The β_ema term (KL-EMA adapter) is not part of this loss.
     """
     batch.require(("advantages", "x0", "noise", "t"), "awm")
     if q.velocity is None:

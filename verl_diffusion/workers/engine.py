@@ -209,6 +209,8 @@ class DiffusersFSDPEngine(FSDPEngine):
         self.load_extra_state_fn: Optional[Callable[[dict], None]] = None
         # Optional frozen reference network for REF_VELOCITY when not LoRA (a no-grad velocity fn).
         self.ref_velocity_fn: Optional[Callable] = None
+        # Optimizer steps taken so far (n of the old-policy schedules, SPEC §8.2; saved by the worker).
+        self.optimizer_steps = 0
 
     # ------------------------------------------------------------------ build
 
@@ -265,6 +267,11 @@ class DiffusersFSDPEngine(FSDPEngine):
     def _build_fsdp_module(self, module):
         with _cpu_offload_without_pinning():
             return super()._build_fsdp_module(module)
+
+    def optimizer_step(self):
+        grad_norm = super().optimizer_step()
+        self.optimizer_steps += 1
+        return grad_norm
 
     # ------------------------------------------------------------------ model calls
 

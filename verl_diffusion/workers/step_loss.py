@@ -196,7 +196,8 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
     """θ-independent per-step pre-processing over the *whole* local batch, before mini-batching.
 
     * ``forward_noising`` losses: fresh states x_t = (1 − t)·x0 + t·ε at each trained step's grid time;
-    * ``OLD_VELOCITY_FRESH``: v_old at those states with the current (= old) weights, no grad;
+    * ``OLD_VELOCITY_FRESH``: v_old at those states with the weights in the module, no grad (the worker swaps θ_old
+      in when ``actor.old_policy`` keeps a soft copy, else these are the pre-update weights);
     * the loss's ``prepare`` hook (e.g. path-space ĝ), once per trained step, complete groups.
 
     Returns new ``prep/<name>`` tensors [B, N, *] (zeros at untrained steps) to add to the batch.

@@ -11,6 +11,7 @@ RPCs (all ``DP_COMPUTE_PROTO`` over samples unless noted): ``init_model`` (all),
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Optional
@@ -128,6 +129,8 @@ class DiffusionActorRolloutRefWorker(Worker):
         self.adapter = None
         self.rollout = None
         self.ema = None
+        # Soft old-policy copy θ_old (SPEC §8.2; actor.old_policy), None with schedule none.
+        self.old_policy = None
         self.step_loss: Optional[DiffusionStepLoss] = None
         self._cache: Optional[dict] = None
         self._update_count = 0
@@ -235,13 +238,33 @@ class DiffusionActorRolloutRefWorker(Worker):
             self.ema = ParamEMA([p for p in engine.module.parameters() if p.requires_grad],
                                 decay_max=float(ema_cfg.get("decay_max", 0.9)),
                                 interval=int(ema_cfg.get("interval", 8)))
-        engine.extra_state_fn = lambda: {"ema": self.ema.state_dict() if self.ema else None,
-                                         "update_count": self._update_count}
+        # 5. soft old-policy copy θ_old of the trainable parameters (SPEC §8.2), saved with checkpoints.
+        from verl_diffusion.workers.old_policy import OldPolicy, OldPolicyConfig
+
+        old_cfg = OldPolicyConfig.from_dict(_plain(self.config.actor.get("old_policy", None)))
+        if old_cfg.enabled:
+            self.old_policy = OldPolicy([p for p in engine.module.parameters() if p.requires_grad], old_cfg)
+
+        def extra_state():
+            state = {"ema": self.ema.state_dict() if self.ema else None, "update_count": self._update_count}
+            if self.old_policy is not None:
+                state["old_policy"] = self.old_policy.state_dict()
+                state["optimizer_steps"] = int(engine.optimizer_steps)
+            return state
+
+        engine.extra_state_fn = extra_state
 
         def load_extra(state):
             if state.get("ema") is not None and self.ema is not None:
                 self.ema.load_state_dict(state["ema"])
             self._update_count = int(state.get("update_count", 0))
+            if self.old_policy is not None:
+                if state.get("old_policy") is not None:
+                    self.old_policy.load_state_dict(state["old_policy"])
+                else:   # checkpoint written without θ_old: start it from the loaded weights
+                    self.old_policy.reset()
+            if "optimizer_steps" in state:
+                engine.optimizer_steps = int(state["optimizer_steps"])
 
         engine.load_extra_state_fn = load_extra
         return {"lora": bool(engine._is_lora), "reference": "adapter_disabled" if engine._is_lora else (
@@ -260,7 +283,7 @@ class DiffusionActorRolloutRefWorker(Worker):
         store = bool({"old_velocity", "old_mean"} & set(self.step_loss.spec.batch_keys))
         engine = self.actor.engine
         start = time.perf_counter()
-        with engine.eval_mode():
+        with engine.eval_mode(), self._old_policy_swap(rollout=True):
             out = self.rollout.generate(texts, torch.as_tensor(group_ids, dtype=torch.long), seed=seed,
                                         iteration=int(meta.get("iteration", 0)), store_velocities=store)
         elapsed = time.perf_counter() - start
@@ -288,6 +311,13 @@ class DiffusionActorRolloutRefWorker(Worker):
             images = self.rollout.generate_ode(texts, seeds=seeds, num_steps=num_steps)
             _reshard(engine)
         return DataProto.from_dict(tensors={"images": images})
+
+    def _old_policy_swap(self, *, rollout: bool = False):
+        """θ_old in the parameters (no grad, θ restored bitwise on exit) when a soft copy is kept; for the rollout
+        only with ``old_policy.use_for_rollout``. Otherwise a no-op (θ_old = the current, pre-update weights)."""
+        if self.old_policy is None or (rollout and not self.old_policy.cfg.use_for_rollout):
+            return contextlib.nullcontext()
+        return _resharded_swap(self.actor.engine, self.old_policy)
 
     # ------------------------------------------------------------------ training
 
@@ -328,7 +358,8 @@ class DiffusionActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         # θ-independent per-step pre-processing over whole groups, before mini-batching.
         gen = torch.Generator().manual_seed(int(meta.get("seed", 0)) * 1000 + 500 + self.rank)
-        with engine.eval_mode():
+        with engine.eval_mode(), self._old_policy_swap():
+            # OLD_VELOCITY_FRESH: θ_old swapped in when a soft copy is kept, else the pre-update weights.
             prep = prepare_steps(self.step_loss, dict(td.items()), velocity_fn=engine.velocity_fn(), generator=gen)
         for k, v in prep.items():
             td[k] = v
@@ -342,6 +373,10 @@ class DiffusionActorRolloutRefWorker(Worker):
         if self.ema is not None:
             self.ema.step(self._update_count)
         self._update_count += 1
+        if self.old_policy is not None:
+            # SPEC §8.2: after this batch's training, n = optimizer steps so far.
+            _reshard(engine)
+            metrics["actor/old_policy_decay"] = self.old_policy.update(int(engine.optimizer_steps))
         metrics["perf/update_time"] = time.perf_counter() - start
         metrics["perf/worker_max_rss_gb"] = _max_rss_gb()
         return DataProto(meta_info={"metrics": metrics})
@@ -361,10 +396,25 @@ class DiffusionActorRolloutRefWorker(Worker):
 
 def _reshard(engine) -> None:
     """With ``reshard_after_forward=false`` FSDP2 keeps unsharded parameters after a no-grad forward; reshard
-    before anything reads or writes the sharded parameters directly (EMA swap, checkpoint)."""
+    before anything reads or writes the sharded parameters directly (EMA / θ_old swap, checkpoint).
+    ``FSDPModule.reshard()`` is not recursive: reshard every FSDP-wrapped submodule (the blocks), not only the root."""
     module = getattr(engine, "module", None)
-    if module is not None and hasattr(module, "reshard"):
-        module.reshard()
+    if module is None:
+        return
+    for m in module.modules():
+        if hasattr(m, "reshard") and callable(m.reshard) and hasattr(m, "unshard"):
+            m.reshard()
+
+
+@contextlib.contextmanager
+def _resharded_swap(engine, holder):
+    """``holder.swap_in()`` on the sharded parameters: reshard before swapping in and before restoring."""
+    _reshard(engine)
+    with holder.swap_in():
+        try:
+            yield
+        finally:
+            _reshard(engine)
 
 
 def _max_rss_gb() -> float:
