@@ -144,3 +144,15 @@ def test_resume_at_an_epoch_boundary(tmp_path):
     assert [r["step"] for r in resumed] == [k + 1], out[-2000:]
     for key in ("reward/mean", "reward/std", "loss", "grad_norm"):
         assert full[k][key] == pytest.approx(resumed[0][key], rel=1e-6, abs=1e-9), key
+
+
+def test_diffusion_nft_with_soft_old_policy_through_ray(tmp_path):
+    """SPEC §8.2 through Ray: diffusion_nft with actor.old_policy schedule nft type 1 (θ_old samples the rollouts
+    and gives v_old); after each step's training θ_old ← d·θ_old + (1 − d)·θ with d = 0.001·n, n = optimizer steps."""
+    rows, _ = _run(tmp_path, "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                   "actor_rollout_ref.actor.policy_loss.loss_mode=diffusion_nft",
+                   "actor_rollout_ref.actor.old_policy.schedule=nft", "actor_rollout_ref.actor.old_policy.nft_type=1",
+                   *LEARN)
+    assert [r["actor/old_policy_decay"] for r in rows] == pytest.approx([0.001, 0.002, 0.003])
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
