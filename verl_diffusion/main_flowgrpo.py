@@ -93,6 +93,14 @@ def validate_config(cfg) -> None:
         msg = str(e).strip("'\"")
         raise ConfigError(f"actor_rollout_ref.{msg}" if msg.startswith("rollout.")
                           else f"actor_rollout_ref.rollout: {msg}") from None
+    try:
+        from verl_diffusion.workers.old_policy import OldPolicyConfig
+
+        OldPolicyConfig.from_dict(arr.actor.get("old_policy", None))
+    except (KeyError, ValueError, TypeError) as e:
+        msg = str(e).strip("'\"")
+        raise ConfigError(f"actor_rollout_ref.{msg}" if msg.startswith("actor.")
+                          else f"actor_rollout_ref.actor.old_policy: {msg}") from None
     frac = float(arr.actor.get("train_step_fraction", 1.0))
     if not 0.0 < frac <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.train_step_fraction={frac} must be in (0, 1] "

@@ -99,6 +99,7 @@ def test_prompt_dataset_reads_txt_jsonl_and_chat(tmp_path):
     ("actor_rollout_ref.rollout.sde.window.size=9", "window"),
     ("actor_rollout_ref.rollout.sde.window.mode=sliding", "window"),
     ("actor_rollout_ref.actor.train_step_fraction=1.5", "train_step_fraction"),
+    ("actor_rollout_ref.actor.old_policy.schedule=ema", "old_policy.schedule"),
 ])
 def test_sampler_window_and_step_fraction_refused_before_ray(tmp_path, tiny_model, override, field):
     with pytest.raises(ConfigError) as e:

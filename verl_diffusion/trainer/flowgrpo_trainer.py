@@ -317,7 +317,7 @@ def progress_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step}/{total}", f"reward {m.get('reward/mean', float('nan')):.4f}"
              f"±{m.get('reward/std', float('nan')):.4f}"]
     for key, label in (("loss", "loss"), ("actor/pg_loss", "pg"), ("grad_norm", "gnorm"),
-                       ("actor/first_micro_log_ratio_abs_max", "|lr0|"), ("val/reward_mean", "val")):
+                       ("actor/first_micro_log_ratio_abs_max", "|log ratio0|"), ("val/reward_mean", "val")):
         if key in m:
             parts.append(f"{label} {m[key]:.3g}")
     parts.append(f"{m.get('timing_s/step', 0.0):.1f}s")
