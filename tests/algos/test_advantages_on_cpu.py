@@ -169,3 +169,63 @@ def test_metrics_and_uids():
     assert abs(m["reward/std"] - 2.160247) < 1e-6
     assert abs(m["reward/zero_std_ratio"] - 2 / 3) < 1e-12  # group b and singleton c
     assert abs(m["actor/adv_abs_mean"] - a.abs().mean().item()) < 1e-12
+
+
+# ---------------------------------------------------------------- TempFlow process advantages (SPEC §3.3)
+
+from verl_diffusion.algos.advantages import branched_step_advantages, process_advantages  # noqa: E402
+
+# [P = 2, K_b = 3, S = 2]: children along dim 1.
+PROC = torch.tensor([[[1, 4], [2, 4], [3, 4]],
+                     [[0, 1], [10, 1], [0, 2]]], dtype=D)
+# By hand: (prompt 0, k 0) = [1, 2, 3]: σ = √(2/3) = 0.8164966 → ±1/(σ + 1e-4) = ±1.224595;
+# (0, 1) all equal → 0; (1, 0) = [0, 10, 0]: mean 10/3, σ = √(200/9) = 4.714045 → −0.707092, 1.414184;
+# (1, 1) = [1, 1, 2]: mean 4/3, σ = √2/3 = 0.4714045 → −0.706957, 1.413914.
+PROC_A = torch.tensor([[[-1.224595, 0], [0, 0], [1.224595, 0]],
+                       [[-0.707092, -0.706957], [1.414184, -0.706957], [-0.707092, 1.413914]]], dtype=D)
+
+
+def test_process_advantages_dense_hand_numbers():
+    a = process_advantages(PROC)
+    assert a.shape == PROC.shape
+    close(a, PROC_A, 1e-6)
+    close(a.sum(dim=1), torch.zeros(2, 2, dtype=D), 1e-12)          # Σ over children = 0 per (prompt, k)
+    # One child per (prompt, k) → 0 (its own mean), never r/σ.
+    assert torch.equal(process_advantages(PROC[:, :1]), torch.zeros(2, 1, 2, dtype=D))
+
+
+def test_process_advantages_flat_equals_dense_in_any_order():
+    p_ids = torch.arange(2).view(2, 1, 1).expand(2, 3, 2).reshape(-1)
+    k_ids = torch.tensor([3, 7]).view(1, 1, 2).expand(2, 3, 2).reshape(-1)   # labels need not be 0..S−1
+    flat = PROC.reshape(-1)
+    perm = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))
+    a = process_advantages(flat[perm], p_ids[perm], k_ids[perm])
+    close(a, PROC_A.reshape(-1)[perm], 1e-6)
+    with pytest.raises(ValueError, match="both prompt_ids and branch_step"):
+        process_advantages(flat, p_ids)
+    with pytest.raises(ValueError, match=r"\[P, K_b, S\]"):
+        process_advantages(flat)
+
+
+def test_process_advantages_clip():
+    r = torch.zeros(1, 30, 1, dtype=D)
+    r[0, 0, 0] = 1.0                                 # one outlier among 30: |A| = √29 ≈ 5.39 → clipped
+    a = process_advantages(r)
+    assert a[0, 0, 0] == 5.0 and a.max() == 5.0
+    assert process_advantages(r, clip=None)[0, 0, 0] > 5.3
+
+
+def test_branched_step_advantages_places_at_branch_step():
+    rewards = torch.tensor([1, 2, 3, 4, 0, 10, 0, 5], dtype=D)
+    prompt_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    branch_step = torch.tensor([0, 0, 2, 2, 0, 0, 0, 1])
+    sa = branched_step_advantages(rewards, prompt_ids, branch_step, 4)
+    assert sa.shape == (8, 4)
+    at_k = torch.nn.functional.one_hot(branch_step, 4).bool()
+    assert torch.all(sa[~at_k] == 0) and torch.all(sa[:7][at_k[:7]] != 0)    # only at k
+    s = 0.5 / (0.5 + 1e-4)                          # pairs (1, 2) and (3, 4): r − m = ±0.5, σ = 0.5
+    close(sa[:4].sum(dim=1), torch.tensor([-s, s, -s, s], dtype=D), 1e-12)
+    close(sa[4:7, 0], torch.tensor([-0.707092, 1.414184, -0.707092], dtype=D), 1e-6)
+    assert torch.all(sa[7] == 0)                    # singleton (prompt 1, k 1) → 0
+    with pytest.raises(ValueError, match="outside"):
+        branched_step_advantages(rewards, prompt_ids, branch_step, 2)

@@ -234,3 +234,69 @@ def _clip(adv: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
     if not clip > 0:
         raise ValueError(f"clip={clip!r} is invalid; pass A_max > 0 (default 5.0), or None to disable clipping")
     return adv.clamp(-clip, clip)
+
+
+# ----------------------------------------------------------------------------------------------------
+# TempFlow-GRPO process advantages (SPEC §3.3)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _branch_groups(prompt_ids: torch.Tensor, branch_step: torch.Tensor, n: int) -> torch.Tensor:
+    """One integer group id per sample for the pair (prompt, branch step k).  [B] long."""
+    p_idx, _ = _compact_groups(prompt_ids, n)
+    k_idx, n_k = _compact_groups(branch_step, n)
+    return p_idx * n_k + k_idx
+
+
+def process_advantages(rewards: torch.Tensor, prompt_ids: Optional[torch.Tensor] = None,
+                       branch_step: Optional[torch.Tensor] = None, *, eps: float = 1e-4,
+                       clip: Optional[float] = 5.0) -> torch.Tensor:
+    """TempFlow-GRPO process (per-step) advantages, normalised within (prompt, k) across children (SPEC §3.3).
+
+    A = (r − mean_children r) / (std_children r + ε_adv), std over the K_b children of one (prompt, branch
+    step k) only (ddof 0); a single child gets 0 (it is its own mean); clipped to ±clip.
+
+    Two layouts:
+      * dense: ``rewards`` [P, K_b, S] (prompt, child, branch step; S = number of branch steps) and no ids;
+        statistics over dim 1. Returns [P, K_b, S].
+      * flat (the rollout layout of :func:`verl_diffusion.rollout.branched.generate_branched`): ``rewards``
+        [B], ``prompt_ids`` [B] and ``branch_step`` [B] (integer labels); a group is a (prompt, k) pair,
+        rows need not be sorted. Returns [B].
+    Args: eps: ε_adv added to the std.  clip: A_max (None disables).
+    """
+    if prompt_ids is None and branch_step is None:
+        rewards = torch.as_tensor(rewards)
+        if rewards.dim() != 3:
+            raise ValueError(f"process_advantages: dense rewards must have shape [P, K_b, S] but have "
+                             f"{tuple(rewards.shape)}; for the flat layout pass prompt_ids and branch_step")
+        if not rewards.dtype.is_floating_point:
+            rewards = rewards.to(torch.get_default_dtype())
+        _check_finite(rewards.reshape(-1))
+        centred = rewards - rewards.mean(dim=1, keepdim=True)
+        std = (centred * centred).mean(dim=1, keepdim=True).sqrt()
+        return _clip(centred / (std + eps), clip)
+    if prompt_ids is None or branch_step is None:
+        raise ValueError("process_advantages: pass both prompt_ids and branch_step (flat layout) or neither "
+                         "(dense [P, K_b, S] layout)")
+    rewards = _as_rewards(rewards, 1)
+    groups = _branch_groups(torch.as_tensor(prompt_ids), torch.as_tensor(branch_step), rewards.shape[0])
+    return group_advantages(rewards, groups, std_mode="group", eps=eps, clip=clip, ddof=0)
+
+
+def branched_step_advantages(rewards: torch.Tensor, prompt_ids: torch.Tensor, branch_step: torch.Tensor,
+                             num_steps: int, *, eps: float = 1e-4, clip: Optional[float] = 5.0) -> torch.Tensor:
+    """The ``step_advantages`` batch key [B, N] of a branched TempFlow rollout (docs/data_flow.md).
+
+    Each child's process advantage (:func:`process_advantages`, flat layout) sits at its own branch step
+    k = ``branch_step[i]``; every other column is 0.
+    Args: rewards [B] (one per child image); prompt_ids [B]; branch_step [B] long in [0, num_steps − 1];
+      num_steps: N.  Returns: [B, N], dtype of rewards (float).
+    """
+    branch_step = torch.as_tensor(branch_step)
+    adv = process_advantages(rewards, prompt_ids, branch_step, eps=eps, clip=clip)
+    if branch_step.shape != adv.shape:
+        raise ValueError(f"branch_step has shape {tuple(branch_step.shape)}, expected {tuple(adv.shape)}")
+    if bool(((branch_step < 0) | (branch_step >= num_steps)).any()):
+        raise ValueError(f"branch_step has entries outside [0, {num_steps - 1}] (num_steps N = {num_steps})")
+    out = torch.zeros((adv.shape[0], num_steps), dtype=adv.dtype, device=adv.device)
+    return out.scatter_(1, branch_step.to(device=adv.device, dtype=torch.long).unsqueeze(1), adv.unsqueeze(1))
