@@ -70,15 +70,73 @@ def test_velocity_only_loss_gets_no_log_prob():
     assert seen["q"].velocity is not None and seen["q"].mean is None and seen["q"].log_prob is None
 
 
-def test_items_follow_train_mask_but_forward_keeps_the_batch():
+def test_only_rows_trained_at_k_are_forwarded():
     mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 0, 0]], dtype=torch.int32)
     loss, seen = _spy_loss(StepNeeds.VELOCITY | StepNeeds.MEAN | StepNeeds.LOG_PROB)
     calls = []
     out, n, q, _ = run_step_loss(loss, _rows(mask=mask), 0, velocity_fn=_velocity(calls))
-    assert n == 3 and calls == [4] and seen["b"].advantages.shape == (3,) and seen["q"].log_prob.shape == (3,)
+    assert n == 3 and calls == [3] and seen["b"].advantages.shape == (3,) and seen["q"].log_prob.shape == (3,)
     assert trained_steps(mask) == [0]
-    none, n0, _, _ = run_step_loss(loss, _rows(mask=mask), 1, velocity_fn=_velocity([]))
-    assert none is None and n0 == 0
+    calls = []
+    none, n0, _, _ = run_step_loss(loss, _rows(mask=mask), 1, velocity_fn=_velocity(calls))
+    assert none is None and n0 == 0 and calls == []          # nobody trained at k: no forward at all
+
+
+def test_all_rows_trained_forward_the_whole_micro_batch_unchanged():
+    """Ordinary rollouts (every row trained at each window step): the same single forward of all rows as before."""
+    rows = _rows()
+    loss, _ = _spy_loss(StepNeeds.VELOCITY | StepNeeds.MEAN | StepNeeds.LOG_PROB)
+    seen_x = []
+
+    def vel(x, t, r):
+        seen_x.append(x)
+        return 0.5 * x * t.view(-1, 1, 1, 1)
+
+    out, n, q, st = run_step_loss(loss, rows, 0, velocity_fn=vel)
+    assert n == 4 and len(seen_x) == 1 and seen_x[0].data_ptr() == rows["all_latents"][:, 0].data_ptr()
+
+
+def test_mixed_branch_steps_in_one_micro_batch():
+    """A branched TempFlow micro-batch: rows whose only stochastic step is 0 or 1 (τ = 0 elsewhere). Each step
+    forwards only its rows; the log-probs equal those of the rows alone; Σ n·loss / total = mean over items."""
+    from verl_diffusion.algos.ratio_losses import tempflow_grpo_loss
+
+    B, N = 4, 3
+    rows = _rows(B, N)
+    branch = torch.tensor([0, 0, 1, 1])
+    mask = torch.zeros(B, N, dtype=torch.int32)
+    mask[torch.arange(B), branch] = 1
+    ode = torch.tensor([1.0, 0.75, 0.4, 0.0])
+    for key in ("sde_cx", "sde_cv", "sde_std"):
+        rows[key] = rows[key].clone()
+    off = mask == 0
+    rows["sde_cx"][off] = 1.0
+    rows["sde_cv"][off] = (ode[1:] - ode[:-1]).expand(B, N)[off]
+    rows["sde_std"][off] = 0.0
+    rows["train_mask"] = mask
+    rows["step_advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * mask
+    loss = make_step_loss("tempflow_grpo", {"scale": 2.25, "kl_coef": 0.0, "clip_range": 1e-4})
+    vel = lambda x, t, r: 0.5 * x * t.view(-1, 1, 1, 1)  # noqa: E731
+    # the old behaviour (forward all rows at k) raises on the τ = 0 rows
+    from verl_diffusion.workers.step_loss import compute_step_quantities
+    with pytest.raises(ValueError):
+        compute_step_quantities(loss, step_tensors(rows, 0), velocity_fn=vel, rows=rows)
+    total, items = 0.0, 0
+    for k in trained_steps(mask):
+        calls = []
+        out, n, q, st = run_step_loss(loss, rows, k, velocity_fn=lambda x, t, r: (calls.append(x.shape[0]), vel(x, t, r))[1])
+        sel = (branch == k).nonzero().flatten()
+        assert n == 2 and calls == [2] and torch.isfinite(out.loss)
+        x = rows["all_latents"][sel, k]
+        coef = StepCoefficients(rows["sde_cx"][sel, k], rows["sde_cv"][sel, k], rows["sde_std"][sel, k])
+        ref_lp = gaussian_log_prob(rows["all_latents"][sel, k + 1],
+                                   step_mean(x, vel(x, rows["sigmas"][sel, k], None), coef), coef.std)
+        assert torch.equal(q.log_prob, ref_lp)
+        ref, _ = tempflow_grpo_loss(ref_lp, rows["rollout_log_probs"][sel, k], rows["step_advantages"][sel, k],
+                                    coef.std, scale=2.25, clip_range=1e-4)
+        torch.testing.assert_close(out.loss, ref.mean())
+        total, items = total + float(out.loss) * n, items + n
+    assert items == int(mask.sum())
 
 
 def test_reference_is_required_when_kl_is_on():

@@ -38,7 +38,8 @@ with warnings.catch_warnings():
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-from verl_diffusion.workers.step_loss import DiffusionStepLoss, run_step_loss, step_log_probs, step_tensors
+from verl_diffusion.workers.step_loss import (DiffusionStepLoss, rows_trained_at, run_step_loss, select_rows,
+                                              step_log_probs, step_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -309,10 +310,26 @@ class DiffusersFSDPEngine(FSDPEngine):
             torch.distributed.all_reduce(any_k, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group())
         return [int(k) for k in torch.nonzero(any_k.cpu()).flatten().tolist()]
 
+    def _dp_size(self) -> int:
+        if not torch.distributed.is_initialized():
+            return 1
+        return torch.distributed.get_world_size(self.get_data_parallel_group())
+
+    def _micro_step_table(self, train_mask: torch.Tensor, micro: list) -> torch.Tensor:
+        """[n_micro, N] bool: some rank has a row trained at step k in its micro-batch m (the ranks have the same
+        number of micro-batches). A (micro-batch, step) that no rank trains is skipped everywhere; one that only
+        other ranks train gets a one-row stand-in forward here, so FSDP collectives stay matched."""
+        local = torch.stack([train_mask[idx].bool().any(dim=0) for idx in micro]).to(torch.int32).to(get_device_id())
+        if self._dp_size() > 1:
+            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.get_data_parallel_group())
+        return local.cpu().bool()
+
     def forward_backward_batch(self, data, loss_function, forward_only=False) -> dict:
         """Rows = samples. Training: Σ over micro-batches × trained steps of the step loss, each weighted by
-        its share of the mini-batch's items, one backward per (micro-batch, step).
-        ``forward_only``: the log-probs ℓ_θ [B, N] at the trained steps (old-log-prob recompute).
+        its share of the mini-batch's items, one backward per (micro-batch, step). At step k only the rows of the
+        micro-batch trained at k are forwarded (all of them for an ordinary rollout, whose rows share the window;
+        one branch step's children for a branched TempFlow rollout).
+        ``forward_only``: the log-probs ℓ_θ [B, N] at the trained steps (old-log-prob recompute), same rows.
         """
         from verl.utils import tensordict_utils as tu
 
@@ -324,6 +341,7 @@ class DiffusersFSDPEngine(FSDPEngine):
         mbs = int(mbs)
         steps = self._union_trained_steps(rows_all["train_mask"])
         micro = [torch.arange(s, min(s + mbs, B), device=dev) for s in range(0, B, mbs)]
+        table = self._micro_step_table(rows_all["train_mask"], micro)
         velocity = self.velocity_fn()
         metrics: dict[str, list] = {}
 
@@ -331,45 +349,53 @@ class DiffusersFSDPEngine(FSDPEngine):
             convention = getattr(loss_function, "log_prob_convention", "exact")
             out = torch.zeros(rows_all["train_mask"].shape, dtype=torch.float32, device=dev)
             with torch.no_grad():
-                for idx in micro:
+                for m, idx in enumerate(micro):
                     rows = {k: v[idx] for k, v in rows_all.items()}
                     for k in steps:
-                        st = step_tensors(rows, k)
-                        v = velocity(st["x_t"], st["t"], rows)
-                        lp = step_log_probs(st, v, convention=convention)
-                        out[idx, k] = lp.float() * rows["train_mask"][:, k].float()
+                        if not bool(table[m, k]):
+                            continue
+                        sel = rows_trained_at(rows, k)
+                        if sel is not None and sel.numel() == 0:
+                            # other ranks train here: a one-row forward keeps the FSDP collectives matched
+                            one = select_rows(rows, torch.zeros(1, dtype=torch.long, device=dev))
+                            velocity(one["all_latents"][:, k], one["sigmas"][:, k], one)
+                            continue
+                        sub = select_rows(rows, sel)
+                        st = step_tensors(sub, k)
+                        v = velocity(st["x_t"], st["t"], sub)
+                        lp = step_log_probs(st, v, convention=convention).float()
+                        if sel is None:
+                            out[idx, k] = lp * rows["train_mask"][:, k].float()
+                        else:
+                            out[idx[sel], k] = lp
             return {"model_output": {"log_probs": out.cpu()}, "loss": [0.0], "metrics": {}}
 
         assert isinstance(loss_function, DiffusionStepLoss), "the diffusion engine needs a DiffusionStepLoss"
         ref_fn = self.reference_velocity_fn() if loss_function.needs_reference() else None
         total_items = max(int(rows_all["train_mask"][:, steps].sum()) if steps else 0, 1)
         losses = []
-        n_backward = len(micro) * len(steps)
-        i_backward = 0
-        for idx in micro:
-            rows = {k: v[idx] for k, v in rows_all.items()}
-            for k in steps:
-                i_backward += 1
-                with self._gradient_sync_context(is_last_micro_batch=i_backward == n_backward):
-                    out, n, q, _ = run_step_loss(loss_function, rows, k, velocity_fn=velocity, ref_velocity_fn=ref_fn)
-                    if out is None:
-                        # Keep the FSDP collectives in step across ranks: a zero loss on the forward output.
-                        loss = q.velocity.sum() * 0.0 if q.velocity is not None else None
-                    else:
-                        loss = out.loss * (n / total_items)
-                        for name, val in out.metrics.items():
-                            metrics.setdefault(name, []).append(float(val))
-                        if q.log_prob is not None and "old_log_prob" in loss_function.spec.batch_keys:
-                            mask = rows["train_mask"][:, k].bool()
-                            old = step_tensors(rows, k)["old_log_prob"]
-                            lr_ = (q.log_prob.detach() - old)[mask]
-                            metrics.setdefault("actor/log_ratio_abs_max", []).append(float(lr_.abs().max()))
-                    if loss is not None:
-                        if self.scaler is not None:
-                            self.scaler.scale(loss).backward()
-                        else:
-                            loss.backward()
-                        losses.append(float(loss.detach()))
+        todo = [(m, k) for m in range(len(micro)) for k in steps if bool(table[m, k])]
+        for i_backward, (m, k) in enumerate(todo, start=1):
+            rows = {key: v[micro[m]] for key, v in rows_all.items()}
+            with self._gradient_sync_context(is_last_micro_batch=i_backward == len(todo)):
+                out, n, q, st = run_step_loss(loss_function, rows, k, velocity_fn=velocity, ref_velocity_fn=ref_fn)
+                if out is None:
+                    # Other ranks train this (micro-batch, step): a zero loss on a one-row forward keeps the FSDP
+                    # collectives (all-gather, reduce-scatter) in step across ranks.
+                    one = select_rows(rows, torch.zeros(1, dtype=torch.long, device=dev))
+                    loss = velocity(one["all_latents"][:, k], one["sigmas"][:, k], one).sum() * 0.0
+                else:
+                    loss = out.loss * (n / total_items)
+                    for name, val in out.metrics.items():
+                        metrics.setdefault(name, []).append(float(val))
+                    if q.log_prob is not None and "old_log_prob" in loss_function.spec.batch_keys:
+                        lr_ = q.log_prob.detach() - st["old_log_prob"]
+                        metrics.setdefault("actor/log_ratio_abs_max", []).append(float(lr_.abs().max()))
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                losses.append(float(loss.detach()))
         return {"model_output": {}, "loss": losses or [0.0], "metrics": metrics}
 
 

@@ -260,28 +260,46 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
     return out
 
 
+def rows_trained_at(rows: Mapping[str, torch.Tensor], k: int) -> Optional[torch.Tensor]:
+    """Indices of the rows trained at step ``k`` when they are a strict subset of ``rows``, else None (all rows).
+
+    An empty index tensor means no row is trained at k."""
+    mask = rows["train_mask"][:, k].bool()
+    n = int(mask.sum())
+    if n == mask.numel():
+        return None
+    return torch.nonzero(mask).flatten()
+
+
+def select_rows(rows: Mapping[str, torch.Tensor], idx: Optional[torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The per-row tensors of ``rows`` at ``idx`` (rows unchanged when ``idx`` is None)."""
+    if idx is None:
+        return rows
+    b = rows["train_mask"].shape[0]
+    return {key: (v[idx] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v)
+            for key, v in rows.items()}
+
+
 def run_step_loss(loss: DiffusionStepLoss, rows: Mapping[str, torch.Tensor], k: int, *,
                   velocity_fn: VelocityFn, ref_velocity_fn: Optional[VelocityFn] = None
                   ) -> tuple[Optional[LossOutput], int, StepQuantities, dict]:
-    """Forward the micro-batch ``rows`` at step ``k`` and apply the loss to the rows trained at k.
+    """Forward the rows of the micro-batch ``rows`` trained at step ``k`` and apply the loss to them.
 
-    All rows are forwarded (the same batch composition as the rollout, so the on-policy log-prob is
-    bitwise the rollout's); the loss sees only items whose ``train_mask`` is 1.
-    Returns (LossOutput or None when no row is trained at k, number of items, quantities, step tensors).
+    Only the rows with ``train_mask[:, k] == 1`` are evaluated (a branched TempFlow micro-batch mixes rows whose
+    only stochastic step differs, and τ_k = 0 rows have no log-prob); when every row is trained at k (ordinary
+    rollouts: all rows share the window) the whole micro-batch is forwarded exactly as before, the same batch
+    composition as the rollout, so the on-policy log-prob is bitwise the rollout's. No row trained at k: no
+    forward at all.
+    Returns (LossOutput or None when no row is trained at k, number of items n, quantities and step tensors of
+    the n evaluated rows).
     """
-    st = step_tensors(rows, k)
-    q = compute_step_quantities(loss, st, velocity_fn=velocity_fn, rows=rows, ref_velocity_fn=ref_velocity_fn)
-    mask = rows["train_mask"][:, k].bool()
-    n = int(mask.sum())
-    if n == 0:
-        return None, 0, q, st
+    idx = rows_trained_at(rows, k)
+    if idx is not None and idx.numel() == 0:
+        return None, 0, StepQuantities(), step_tensors(select_rows(rows, idx), k)
+    sub = select_rows(rows, idx)
+    st = step_tensors(sub, k)
+    q = compute_step_quantities(loss, st, velocity_fn=velocity_fn, rows=sub, ref_velocity_fn=ref_velocity_fn)
+    n = int(sub["train_mask"].shape[0])
     batch = build_step_batch(loss, st)
-    if n < mask.numel():
-        idx = torch.nonzero(mask).flatten()
-        batch = _slice_rows(batch, idx)
-        q_items = StepQuantities(**{f.name: (None if getattr(q, f.name) is None else getattr(q, f.name)[idx])
-                                    for f in dataclasses.fields(StepQuantities)})
-    else:
-        q_items = q
     batch.check_shapes()
-    return loss(q_items, batch), n, q, st
+    return loss(q, batch), n, q, st
