@@ -122,13 +122,35 @@ def validate_config(cfg) -> None:
     n = int(arr.rollout.n)
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1")
-    if n == 1 and est in ("flow_grpo", "flow_grpo_gdpo"):
+    workers = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    try:
+        from verl_diffusion.workers.worker import branched_settings
+
+        branched = branched_settings(arr.rollout)
+    except (KeyError, ValueError, TypeError) as e:
+        msg = str(e).strip("'\"")
+        raise ConfigError(f"actor_rollout_ref.{msg}" if msg.startswith("rollout.")
+                          else f"actor_rollout_ref.rollout.branched.{msg}") from None
+    if branched is not None:
+        # TempFlow-GRPO (SPEC §3.3): rows per step = prompts × |branch steps| × num_children; rollout.n is unused.
+        if rollout_cfg.sampler not in ("flow_sde", "cps", "dance") or rollout_cfg.noise_level <= 0:
+            raise ConfigError(f"actor_rollout_ref.rollout.branched.enabled=true needs a Flow-SDE-type sampler with "
+                              f"noise_level > 0 for the children (got rollout.sde.type={rollout_cfg.sampler}, "
+                              f"noise_level={rollout_cfg.noise_level}); SPEC §3.3 uses flow_sde")
+        if loss_mode != "tempflow_grpo":
+            raise ConfigError(f"actor_rollout_ref.rollout.branched.enabled=true is the TempFlow-GRPO rollout: use "
+                              f"actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo (got {loss_mode})")
+        n = len(branched["branch_steps"]) * int(branched["num_children"])
+        if int(cfg.data.train_batch_size) % workers:
+            raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {workers} "
+                              "workers; a branched rollout keeps each prompt's trunk and (prompt, k) groups on one worker")
+    elif n == 1 and est in ("flow_grpo", "flow_grpo_gdpo"):
         raise ConfigError(f"actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={est}: a group of one sample "
                           "has advantage 0 and nothing trains; use n >= 2 or adv_estimator=flow_grpo_batch")
-    workers = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
     samples = int(cfg.data.train_batch_size) * n
+    rows_name = "|branch steps| × num_children" if branched is not None else "rollout.n"
     if samples % workers:
-        raise ConfigError(f"data.train_batch_size × rollout.n = {samples} samples do not split over {workers} workers "
+        raise ConfigError(f"data.train_batch_size × {rows_name} = {samples} samples do not split over {workers} workers "
                           "(trainer.nnodes × trainer.n_gpus_per_node)")
     from verl_diffusion.algos.losses import get_loss_spec
 

@@ -22,7 +22,8 @@ trajectories instead of G; plus K_b·S VAE decodes. B = P·S·K_b rows.
 RNG: one CPU ``torch.Generator`` seeded by ``seed`` draws the trunk noise [P, *] first, then for each
 branch step in increasing k the children's z [P, K_b, *]. Everything is drawn before the first forward, so
 the result does not depend on the micro-batch size. The rollout's SDE window and ``same_noise_per_group`` do
-not apply here. Nothing in the trainer calls this yet (docs/training.md, "TempFlow branched rollout").
+not apply here. The trainer calls this when ``actor_rollout_ref.rollout.branched.enabled`` (docs/training.md,
+"TempFlow branched rollout").
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ from verl_diffusion.algos.sde import make_grid, sampler_coefficients, sde_step, 
 from verl_diffusion.models.base import Conditioning
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, _sync
 
-__all__ = ["BRANCHED_KEYS", "generate_branched", "branched_step_advantages"]
+__all__ = ["BRANCHED_KEYS", "generate_branched", "branched_step_advantages", "resolve_branch_steps"]
 
 # Keys added to ROLLOUT_KEYS by generate_branched (all [B] long).
 BRANCHED_KEYS = ("group_ids", "prompt_ids", "branch_step")
+
+
+def resolve_branch_steps(branch_steps: Optional[Sequence[int]], num_steps: int) -> list[int]:
+    """The sorted branch steps of a config (None = every k < N − 1); ValueError names bad entries."""
+    return _check_branch_steps(branch_steps, num_steps)
 
 
 def _check_branch_steps(branch_steps: Optional[Sequence[int]], n: int) -> list[int]:

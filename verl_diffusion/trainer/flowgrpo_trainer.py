@@ -32,6 +32,23 @@ from verl_diffusion.trainer.metrics import advantage_summary, reduce_worker_metr
 from verl_diffusion.trainer.validation import log_images, save_grid
 
 
+def branched_advantages(rewards: torch.Tensor, prompt_ids: torch.Tensor, branch_step: torch.Tensor,
+                        train_mask: torch.Tensor, *, eps: float = 1e-4, clip: Optional[float] = 5.0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """TempFlow process advantages of a branched batch (SPEC §3.3), driver side.
+
+    Args: rewards [B] (one per child image); prompt_ids [B] global prompt index; branch_step [B]; train_mask [B, N].
+    Returns (step_advantages [B, N]: the child's advantage, normalised within (prompt, k) across the children, at
+    column k; advantages [B, N]: the same values on ``train_mask``, the per-sample fallback that tempflow_grpo reads
+    when ``step_advantages`` is absent).
+    """
+    from verl_diffusion.algos.advantages import branched_step_advantages
+
+    step_adv = branched_step_advantages(rewards.float(), prompt_ids, branch_step, int(train_mask.shape[1]),
+                                        eps=eps, clip=clip)
+    return step_adv, step_adv * train_mask.to(step_adv.dtype)
+
+
 class CpuAwareResourcePoolManager(ResourcePoolManager):
     """verl's check counts only GPU/NPU ("Total available GPUs 0"); count the platform's Ray resource."""
 
@@ -129,9 +146,23 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
 
     # ------------------------------------------------------------------ step helpers
 
+    def _branched(self) -> Optional[dict]:
+        """{num_children, branch_steps} of the TempFlow branched rollout when enabled, else None."""
+        from verl_diffusion.workers.worker import branched_settings
+
+        return branched_settings(self.config.actor_rollout_ref.rollout)
+
+    def _rows_per_prompt(self) -> int:
+        """Rows of a step per prompt: rollout.n, or |branch steps| × num_children for a branched rollout."""
+        br = self._branched()
+        if br is not None:
+            return len(br["branch_steps"]) * int(br["num_children"])
+        return int(self.config.actor_rollout_ref.rollout.n)
+
     def _gen_batch(self, batch_dict: dict, step: int) -> DataProto:
-        """Repeat each prompt n times (a group, one ``uid``); deterministic uids so resumed runs match."""
-        n = int(self.config.actor_rollout_ref.rollout.n)
+        """Repeat each prompt n times (a group, one ``uid``); deterministic uids so resumed runs match.
+        Branched: each prompt once (the worker makes its |branch steps| × num_children rows)."""
+        n = 1 if self._branched() is not None else int(self.config.actor_rollout_ref.rollout.n)
         prompts = batch_dict["prompt"]
         rows = {k: np.repeat(v, n, axis=0) for k, v in batch_dict.items()}
         rows["uid"] = np.repeat(np.array([f"s{step}-p{i}" for i in range(len(prompts))], dtype=object), n)
@@ -163,6 +194,33 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         adv, returns = fn(**kwargs)
         batch.batch["advantages"] = adv.float()
         batch.batch["returns"] = returns.float()
+        return advantage_summary(adv, batch.batch["response_mask"])
+
+    def _expand_branched(self, gen: DataProto, out_batch, step: int) -> dict:
+        """Per-row non-tensor data of a branched batch (rows prompt-major, then k, then child, also across workers:
+        each worker gets a contiguous block of prompts); uid per (prompt, k); global prompt_ids and group_ids."""
+        rpp = self._rows_per_prompt()
+        kb = int(self._branched()["num_children"])
+        rows = {k: np.repeat(v, rpp, axis=0) for k, v in gen.non_tensor_batch.items()}
+        n_prompts = len(gen)
+        prompt_ids = torch.arange(n_prompts).repeat_interleave(rpp)
+        ks = out_batch["branch_step"].cpu().long()
+        rows["uid"] = np.array([f"s{step}-p{int(p)}-k{int(k)}" for p, k in zip(prompt_ids, ks)], dtype=object)
+        out_batch["prompt_ids"] = prompt_ids
+        out_batch["group_ids"] = torch.arange(len(prompt_ids)) // kb
+        return rows
+
+    def _compute_branched_advantage(self, batch: DataProto) -> dict[str, float]:
+        """SPEC §3.3: ``step_advantages`` within (prompt, k) across children; ``advantages`` = the same values."""
+        sub = self.config.algorithm.get("flow_grpo", None) or {}
+        clip = sub.get("adv_clip_max", 5.0)
+        step_adv, adv = branched_advantages(
+            batch.batch["sample_level_rewards"], batch.batch["prompt_ids"], batch.batch["branch_step"],
+            batch.batch["train_mask"], eps=float(sub.get("adv_eps", 1e-4)), clip=None if clip is None else float(clip))
+        batch.batch["response_mask"] = batch.batch["train_mask"]
+        batch.batch["step_advantages"] = step_adv.float()
+        batch.batch["advantages"] = adv.float()
+        batch.batch["returns"] = adv.float()
         return advantage_summary(adv, batch.batch["response_mask"])
 
     def _subsample_train_steps(self, batch: DataProto, step: int) -> dict[str, float]:
@@ -198,11 +256,10 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         return int(a.ppo_epochs) == 1 and self._mini_batch_size() >= self._batch_samples()
 
     def _batch_samples(self) -> int:
-        return int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
+        return int(self.config.data.train_batch_size) * self._rows_per_prompt()
 
     def _mini_batch_size(self) -> int:
-        return int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(
-            self.config.actor_rollout_ref.rollout.n)
+        return int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size) * self._rows_per_prompt()
 
     def _compute_old_log_prob(self, batch: DataProto) -> dict[str, float]:
         """On-policy: bypass (the rollout's log-probs); off-policy: recompute with the current weights."""
@@ -291,7 +348,9 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         out = self.actor_rollout_wg.generate_sequences(gen)
         t_gen = time.perf_counter()
         images = out.batch.pop("images")
-        batch = DataProto(batch=out.batch, non_tensor_batch=gen.non_tensor_batch, meta_info=dict(gen.meta_info))
+        branched = self._branched() is not None
+        non_tensor = self._expand_branched(gen, out.batch, step) if branched else gen.non_tensor_batch
+        batch = DataProto(batch=out.batch, non_tensor_batch=non_tensor, meta_info=dict(gen.meta_info))
         metrics.update({k: float(np.mean(v)) for k, v in out.meta_info.get("metrics", {}).items()})
         metrics.update(self._compute_reward(batch, images))
         t_rew = time.perf_counter()
@@ -299,7 +358,10 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
 
         batch.batch["group_ids"] = group_ids_from_uids(batch.non_tensor_batch["uid"])   # global, from uid
         metrics.update(self._subsample_train_steps(batch, step))
-        metrics.update(self._compute_advantage(batch))
+        if branched:
+            metrics.update(self._compute_branched_advantage(batch))
+        else:
+            metrics.update(self._compute_advantage(batch))
         metrics.update(self._filter_zero_advantage(batch))
         metrics.update(self._compute_old_log_prob(batch))
         metrics.update(self._update_actor(batch, step))

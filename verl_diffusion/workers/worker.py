@@ -116,6 +116,21 @@ def build_rollout_config(rollout_cfg: DictConfig):
     )
 
 
+def branched_settings(rollout_cfg) -> Optional[dict]:
+    """``actor_rollout_ref.rollout.branched`` as {num_children, branch_steps (sorted list)} when enabled, else None."""
+    from verl_diffusion.rollout.branched import resolve_branch_steps
+
+    br = _plain(rollout_cfg.get("branched", None)) or {}
+    if not bool(br.get("enabled", False)):
+        return None
+    kb = br.get("num_children", 2)
+    if isinstance(kb, bool) or not isinstance(kb, int) or kb < 2:
+        raise ValueError(f"rollout.branched.num_children={kb!r} must be an int >= 2 (the process advantages are "
+                         "normalised across the children of one (prompt, k); one child gets 0)")
+    steps = resolve_branch_steps(br.get("branch_steps", None), int(rollout_cfg.get("num_steps", 10)))
+    return {"num_children": kb, "branch_steps": steps}
+
+
 class DiffusionActorRolloutRefWorker(Worker):
     """Actor (verl TrainingWorker + our engine) + in-process diffusers rollout (+ frozen reference)."""
 
@@ -282,19 +297,29 @@ class DiffusionActorRolloutRefWorker(Worker):
         seed = int(meta.get("seed", 0)) * 1000 + self.rank
         store = bool({"old_velocity", "old_mean"} & set(self.step_loss.spec.batch_keys))
         engine = self.actor.engine
+        branched = branched_settings(self.config.rollout)
         start = time.perf_counter()
         with engine.eval_mode(), self._old_policy_swap(rollout=True):
-            out = self.rollout.generate(texts, torch.as_tensor(group_ids, dtype=torch.long), seed=seed,
-                                        iteration=int(meta.get("iteration", 0)), store_velocities=store)
+            if branched is None:
+                out = self.rollout.generate(texts, torch.as_tensor(group_ids, dtype=torch.long), seed=seed,
+                                            iteration=int(meta.get("iteration", 0)), store_velocities=store)
+            else:
+                # TempFlow (SPEC §3.3): one prompt per row in, one row per (prompt, k, child) out, prompt-major;
+                # group_ids / prompt_ids are local here, the driver makes them global.
+                from verl_diffusion.rollout.branched import generate_branched
+
+                out = generate_branched(self.rollout, texts, seed=seed, branch_steps=branched["branch_steps"],
+                                        num_children=branched["num_children"], store_velocities=store)
         elapsed = time.perf_counter() - start
         metrics = dict(self.rollout.metrics)
         metrics["perf/rollout_time"] = elapsed
-        out["group_ids"] = torch.as_tensor(group_ids, dtype=torch.long)
+        if branched is None:
+            out["group_ids"] = torch.as_tensor(group_ids, dtype=torch.long)
         # Heavy per-sample tensors (trajectories, text embeddings) stay in this worker until the update: the
         # driver needs only images, masks and log-probs, and the next calls get the same rows (same dispatch).
         self._cache = None
         if bool(self.config.rollout.get("keep_trajectories_in_worker", True)):
-            self._cache = {"seed": int(meta.get("seed", 0)), "rows": len(texts),
+            self._cache = {"seed": int(meta.get("seed", 0)), "rows": int(out["train_mask"].shape[0]),
                            "tensors": {k: out.pop(k) for k in _HEAVY_KEYS if k in out}}
         return DataProto.from_dict(tensors=out, meta_info={"metrics": metrics})
 
