@@ -156,3 +156,20 @@ def test_diffusion_nft_with_soft_old_policy_through_ray(tmp_path):
     assert [r["actor/old_policy_decay"] for r in rows] == pytest.approx([0.001, 0.002, 0.003])
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+
+
+def test_tempflow_branched_rollout_through_ray(tmp_path):
+    """TempFlow-GRPO (SPEC §3.3) through Ray: branched rollout (ODE trunk, 2 children at k ∈ {0, 1} of N = 4),
+    process advantages within (prompt, k) on the driver, micro-batches mixing branch steps in the engine."""
+    rows, out = _run(tmp_path, "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                     "trainer.logger=[]", "data.train_batch_size=2", "actor_rollout_ref.rollout.num_steps=4",
+                     "actor_rollout_ref.rollout.micro_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                     "actor_rollout_ref.rollout.sde.noise_level=1.0", "actor_rollout_ref.rollout.sde.window.size=2",
+                     "actor_rollout_ref.rollout.sde.window.hi=3", "actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo",
+                     "actor_rollout_ref.rollout.branched.enabled=true",
+                     "actor_rollout_ref.rollout.branched.branch_steps=[0,1]")
+    assert "loss tempflow_grpo" in out and "8 images/step" in out     # 2 prompts × 2 branch steps × 2 children
+    assert len(rows) == 3
+    assert rows[0]["actor/first_micro_log_ratio_abs_max"] == 0.0
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["advantages/abs_max"] > 0

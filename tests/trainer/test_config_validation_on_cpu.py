@@ -106,3 +106,37 @@ def test_sampler_window_and_step_fraction_refused_before_ray(tmp_path, tiny_mode
         _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", override))
     msg = str(e.value)
     assert "\n" not in msg and field.split(".")[-1] in msg, msg
+
+
+_BRANCHED = ["actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo", "actor_rollout_ref.rollout.branched.enabled=true",
+             "actor_rollout_ref.rollout.num_steps=4", "actor_rollout_ref.rollout.sde.window.size=2",
+             "actor_rollout_ref.rollout.sde.window.hi=3", "actor_rollout_ref.rollout.branched.branch_steps=[0,1]",
+             "data.train_batch_size=2", "actor_rollout_ref.rollout.n=1"]
+
+
+def test_branched_config_defaults_and_a_valid_tempflow_setup(tmp_path, tiny_model):
+    cfg = _cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}")
+    br = cfg.actor_rollout_ref.rollout.branched
+    assert (br.enabled, br.num_children, br.branch_steps) == (False, 2, None)
+    cfg = _cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", *_BRANCHED)
+    _check(cfg)   # rollout.n=1 is not a group of one here: the groups are (prompt, k) × num_children
+    from verl_diffusion.workers.worker import branched_settings
+
+    assert branched_settings(cfg.actor_rollout_ref.rollout) == {"num_children": 2, "branch_steps": [0, 1]}
+    assert branched_settings(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}").actor_rollout_ref.rollout) is None
+    none = _cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", *_BRANCHED,
+                "actor_rollout_ref.rollout.branched.branch_steps=null")
+    assert branched_settings(none.actor_rollout_ref.rollout)["branch_steps"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("actor_rollout_ref.rollout.sde.type=ode", r"branched\.enabled=true needs a Flow-SDE-type sampler"),
+    ("actor_rollout_ref.rollout.branched.num_children=1", r"rollout\.branched\.num_children=1 must be an int >= 2"),
+    ("actor_rollout_ref.rollout.branched.branch_steps=[0,3]", r"rollout\.branched\.branch_steps=\[0, 3\] is invalid"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=flow_grpo", r"use actor_rollout_ref\.actor\.policy_loss\.loss_mode=tempflow_grpo"),
+    ("data.train_batch_size=3", r"data\.train_batch_size=3 prompts do not split over 2 workers"),
+])
+def test_branched_refused_before_ray(tmp_path, tiny_model, override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as e:
+        _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", *_BRANCHED, override))
+    assert "\n" not in str(e.value) and str(e.value).startswith("actor_rollout_ref.") or "data." in str(e.value)

@@ -80,3 +80,51 @@ def test_worker_metric_reduction_keeps_first_micro_step():
 def test_progress_line():
     line = progress_line(3, 10, {"reward/mean": -6.0, "reward/std": 0.1, "loss": 1e-5, "timing_s/step": 0.5})
     assert line.startswith("step 3/10 | reward -6.0000±0.1000") and line.endswith("0.5s")
+
+
+def _branched_trainer(bs=2, kb=2, steps=(0, 1), num_steps=4, mini=2):
+    tr = _trainer(mini=mini, bs=bs, n=8)
+    tr.config.actor_rollout_ref.rollout.num_steps = num_steps
+    tr.config.trainer = {"seed": 0}
+    tr.config.actor_rollout_ref.rollout.branched = {"enabled": True, "num_children": kb, "branch_steps": list(steps)}
+    return tr
+
+
+def test_branched_rows_per_prompt_and_on_policy_accounting():
+    tr = _branched_trainer()
+    assert tr._rows_per_prompt() == 4 and tr._batch_samples() == 8 and tr._mini_batch_size() == 8
+    assert tr._on_policy()
+    tr.config.actor_rollout_ref.rollout.branched.branch_steps = None   # all k < N − 1
+    assert tr._rows_per_prompt() == 3 * 2
+    assert _trainer()._rows_per_prompt() == 4                           # not branched: rollout.n
+    gen = tr._gen_batch({"prompt": np.array(["a", "b"], dtype=object)}, step=3)
+    assert list(gen.non_tensor_batch["prompt"]) == ["a", "b"]          # each prompt once: the worker branches
+
+
+def test_branched_driver_step_advantages():
+    """Rows prompt → k → child (as the workers return them); step_advantages normalised within (prompt, k) across
+    the children, at column k; advantages = the same values on train_mask; uid per (prompt, k)."""
+    from verl_diffusion.algos.advantages import process_advantages
+
+    tr = _branched_trainer()
+    n_rows, N = 8, 4
+    branch_step = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
+    mask = torch.zeros(n_rows, N, dtype=torch.int32)
+    mask[torch.arange(n_rows), branch_step] = 1
+    gen = tr._gen_batch({"prompt": np.array(["a", "b"], dtype=object)}, step=3)
+    out = {"branch_step": branch_step, "train_mask": mask, "rollout_log_probs": torch.randn(n_rows, N)}
+    rows = tr._expand_branched(gen, out, step=3)
+    assert list(rows["prompt"]) == ["a"] * 4 + ["b"] * 4
+    assert list(rows["uid"]) == ["s3-p0-k0"] * 2 + ["s3-p0-k1"] * 2 + ["s3-p1-k0"] * 2 + ["s3-p1-k1"] * 2
+    assert out["prompt_ids"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    rewards = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 4.0, 5.0, 1.0])
+    batch = DataProto.from_dict(tensors={**out, "sample_level_rewards": rewards}, non_tensors=rows)
+    metrics = tr._compute_branched_advantage(batch)
+    step_adv = batch.batch["step_advantages"]
+    expect = process_advantages(rewards, out["prompt_ids"], branch_step)
+    assert torch.equal(step_adv[torch.arange(n_rows), branch_step], expect)
+    assert torch.equal(step_adv * (1 - mask), torch.zeros_like(step_adv))
+    assert torch.equal(batch.batch["advantages"], step_adv) and torch.equal(batch.batch["response_mask"], mask)
+    # within (prompt, k): ±1 for distinct children (up to ε_adv), 0 for equal rewards
+    assert expect[:2].tolist() == pytest.approx([-1.0, 1.0], abs=1e-3) and expect[2:4].tolist() == [0.0, 0.0]
+    assert metrics["advantages/abs_max"] == pytest.approx(float(expect.abs().max()))
