@@ -85,6 +85,13 @@ EXPECTED: dict[str, dict] = {
         PL + "loss_mode": "awm", PL + "phi": "uniform", PL + "clip_range": 1.0, PL + "adv_clip_max": 5.0,
         PL + "adv_scale": 1.0, PL + "kl_coef": 0.003, R + "guidance_scale": 1.0, R + "num_steps": 14,
         A + "ema.decay_max": 0.99, ALG + "std_mode": "global", "reward.components": {"pickscore": 1.0}},
+    "sd35_pickscore_tempflow_grpo": {
+        PL + "loss_mode": "tempflow_grpo", PL + "scale": 2.25, PL + "clip_range": 1e-4, PL + "kl_coef": 0.01,
+        PL + "kl_mode": "exact", R + "branched.enabled": True, R + "branched.num_children": 4,
+        R + "branched.branch_steps": None, R + "sde.type": "flow_sde", R + "sde.noise_level": 0.7,
+        R + "sde.log_prob_convention": "exact", R + "num_steps": 10, R + "guidance_scale": 4.5,
+        "data.train_batch_size": 16, A + "ppo_mini_batch_size": 8, ALG + "adv_eps": 1e-4, ALG + "adv_clip_max": 5.0,
+        A + "optim.lr": 3e-4, "actor_rollout_ref.model.lora_rank": 32, "reward.components": {"pickscore": 1.0}},
     "sd35_multi_gdpo": {**_DPPO, "algorithm.adv_estimator": "flow_grpo_gdpo",
                         "reward.components": {"ocr": 1.0, "pickscore": 1.0}, ALG + "gdpo_reward_weights": [1.0, 1.0]},
     "tiny_cpu": {"reward.components": {"jpeg_compressibility": 1.0}, R + "n": 8, "trainer.device": "cpu"},
