@@ -148,11 +148,17 @@ class DiffusionNFTConfig:
             raise ValueError("diffusion_nft trains on forward-noised states; xt_source must be 'forward_noising'")
 
 
-def _v_space_kl(q: StepQuantities, kl_coef: float, loss_name: str) -> torch.Tensor:
+def _add_v_space_kl(loss: torch.Tensor, metrics: dict, q: StepQuantities, kl_coef: float,
+                    loss_name: str) -> torch.Tensor:
+    """loss + β_KL·mean‖v_θ − v_ref‖²_e (SPEC §5.2, §6) when β_KL > 0; logs ``actor/kl``."""
+    if kl_coef <= 0:
+        return loss
     if q.ref_velocity is None:
         raise ValueError(f"{loss_name}: kl_coef={kl_coef} > 0 but StepQuantities.ref_velocity is None; "
                          "the engine must compute REF_VELOCITY (LossSpec.needs_for adds it when kl_coef > 0)")
-    return reference_kl("v_space", velocity=q.velocity, ref_velocity=q.ref_velocity)
+    kl = reference_kl("v_space", velocity=q.velocity, ref_velocity=q.ref_velocity)
+    metrics["actor/kl"] = float(kl.detach().float().mean())
+    return loss + kl_coef * kl.mean()
 
 
 def _state(batch: StepBatch) -> torch.Tensor:
@@ -173,10 +179,7 @@ def diffusion_nft_entry(q: StepQuantities, batch: StepBatch, cfg: DiffusionNFTCo
                                        adv_mode=cfg.adv_mode)
     loss = item.mean()
     metrics["actor/nft_policy_loss"] = float(loss.detach())
-    if cfg.kl_coef > 0:
-        kl = _v_space_kl(q, cfg.kl_coef, "diffusion_nft")
-        loss = loss + cfg.kl_coef * kl.mean()
-        metrics["actor/kl"] = float(kl.detach().float().mean())
+    loss = _add_v_space_kl(loss, metrics, q, cfg.kl_coef, "diffusion_nft")
     return LossOutput(loss=loss, metrics=metrics)
 
 
@@ -283,10 +286,7 @@ def awm_entry(q: StepQuantities, batch: StepBatch, cfg: AWMConfig) -> LossOutput
                              adv_clip_max=cfg.adv_clip_max, adv_scale=cfg.adv_scale, ghuber_power=cfg.ghuber_power)
     loss = item.mean()
     metrics["actor/awm_policy_loss"] = float(loss.detach())
-    if cfg.kl_coef > 0:
-        kl = _v_space_kl(q, cfg.kl_coef, "awm")
-        loss = loss + cfg.kl_coef * kl.mean()
-        metrics["actor/kl"] = float(kl.detach().float().mean())
+    loss = _add_v_space_kl(loss, metrics, q, cfg.kl_coef, "awm")
     return LossOutput(loss=loss, metrics=metrics)
 
 
