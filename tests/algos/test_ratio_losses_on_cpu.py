@@ -227,14 +227,21 @@ def test_kl_term_enters_loss():
     assert math.isclose(out.loss.item(), base.item() + 0.5 * out.metrics["actor/kl"], rel_tol=1e-12)
 
 
-def test_s3_check4_guard_unbiased_and_on_policy_gradient():
-    # E_z[log ρ^G] = 0 for any Δv, while E_z[ℓr] = −D < 0 (Monte Carlo, d = 4, M = 20000).
-    g = gen(7)
-    m_draws, d, tau = 20000, 4, 0.35
+
+def _monte_carlo_actions(seed, m_draws, d, tau, dmu_scale):
+    """M draws x' ~ N(μ_old, τ²I) with a fixed μ_θ = μ_old + dmu_scale·noise (same RNG order as before)."""
+    g = gen(seed)
     mu_old = torch.randn(1, d, generator=g, dtype=D64).expand(m_draws, d)
-    mu = mu_old + 0.2 * torch.randn(1, d, generator=g, dtype=D64)
+    mu = mu_old + dmu_scale * torch.randn(1, d, generator=g, dtype=D64)
     std = torch.full((m_draws,), tau, dtype=D64)
     x_next = mu_old + tau * torch.randn(m_draws, d, generator=g, dtype=D64)
+    return mu_old, mu, std, x_next
+
+
+def test_s3_check4_guard_unbiased_and_on_policy_gradient():
+    # E_z[log ρ^G] = 0 for any Δv, while E_z[ℓr] = −D < 0 (Monte Carlo, d = 4, M = 20000).
+    m_draws, d, tau = 20000, 4, 0.35
+    mu_old, mu, std, x_next = _monte_carlo_actions(7, m_draws, d, tau, 0.2)
     lg = guard_log_ratio(mu, mu_old, x_next, std)
     lr = log_ratio_exact(x_next, mu, mu_old, std)
     div = ((mu[0] - mu_old[0]) ** 2).mean() / (2 * tau ** 2)
@@ -301,12 +308,8 @@ def test_tempflow_value_and_step_advantage_fallback():
 # ======================================================================================================
 
 def test_s4_check1_divergence_matches_monte_carlo():
-    g = gen(11)
     m_draws, d, tau = 20000, 4, 0.5
-    mu_old = torch.randn(1, d, generator=g, dtype=D64).expand(m_draws, d)
-    mu = mu_old + 0.15 * torch.randn(1, d, generator=g, dtype=D64)
-    std = torch.full((m_draws,), tau, dtype=D64)
-    x_next = mu_old + tau * torch.randn(m_draws, d, generator=g, dtype=D64)
+    mu_old, mu, std, x_next = _monte_carlo_actions(11, m_draws, d, tau, 0.15)
     _, m = flow_dppo_loss(mu, mu_old, x_next, std, torch.ones(m_draws, dtype=D64))
     div = m["actor/dppo_div_mean"].item()
     mc = -m["actor/log_ratio_mean"].item()  # mean of ℓ_old(x') − ℓ_θ(x')
