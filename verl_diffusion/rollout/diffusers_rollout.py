@@ -20,12 +20,13 @@ from typing import Optional, Sequence
 import torch
 
 from verl_diffusion.algos.losses import check_choice
-from verl_diffusion.algos.sde import (LOG_PROB_CONVENTIONS, SAMPLERS, make_grid, sampler_coefficients,
-                                      sde_step, step_mean)
+from verl_diffusion.algos.sde import (LOG_PROB_CONVENTIONS, SAMPLERS, StepCoefficients, make_grid,
+                                      sampler_coefficients, sde_step, step_mean)
 from verl_diffusion.algos.windows import SdeWindowConfig, stochastic_steps, window_steps
 from verl_diffusion.models.base import Conditioning
 
-__all__ = ["RolloutConfig", "DiffusersRollout", "ROLLOUT_KEYS"]
+__all__ = ["RolloutConfig", "DiffusersRollout", "RolloutPlan", "plan_rollout", "trajectory_coefficients",
+           "ROLLOUT_KEYS"]
 
 # Keys of generate()'s output (docs/data_flow.md); ``old_velocities`` only with store_velocities, the
 # ``negative_*`` embeddings only with CFG (guidance_scale != 1).
@@ -82,6 +83,66 @@ def _as_group_ids(group_ids) -> torch.Tensor:
     return torch.tensor([ids.setdefault(g, len(ids)) for g in list(group_ids)], dtype=torch.long)
 
 
+@dataclass
+class RolloutPlan:
+    """Every random draw of one rollout batch, in the RNG order of the module docstring, and its step sets.
+
+    ``stochastic``: steps drawn with the sampler; ``trained``: steps whose log-prob is stored (sorted).
+    ``initial_noise`` x_{t_0} [B, *] float32; ``step_noise`` {k: z_k [B, *]} for each stochastic k. All on CPU.
+    A rollout backend that is handed a plan (the vllm-omni pipelines) reproduces :meth:`DiffusersRollout.generate`.
+    """
+
+    stochastic: list[int]
+    trained: list[int]
+    initial_noise: torch.Tensor
+    step_noise: dict[int, torch.Tensor]
+
+
+def plan_rollout(cfg: "RolloutConfig", group_ids, latent_shape: Sequence[int], *, seed: int, iteration: int = 0,
+                 initial_noise: Optional[torch.Tensor] = None) -> RolloutPlan:
+    """Draw a batch's window, initial noise and window noise from one CPU generator seeded by ``seed``.
+
+    Args: cfg: RolloutConfig.  group_ids: [B] group of each sample (LongTensor or B hashables).
+      latent_shape: dims ``*`` of one sample.  iteration: training iteration (progressive window).
+      initial_noise: x_{t_0} [B, *] to use instead of drawing it.
+    """
+    group_ids = _as_group_ids(group_ids)
+    bsz, shape = group_ids.shape[0], tuple(latent_shape)
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    n = cfg.num_steps
+    if cfg.sampler == "ode":
+        stochastic, trained = [], []
+    elif cfg.window.mode == "none":
+        stochastic = stochastic_steps(cfg.window, num_steps=n)
+        trained = window_steps(cfg.window, num_steps=n)
+    else:
+        trained = window_steps(cfg.window, num_steps=n, iteration=iteration, generator=gen)
+        stochastic = trained
+    if initial_noise is None:
+        if cfg.same_noise_per_group:
+            _, inverse = torch.unique(group_ids, return_inverse=True)
+            per_group = torch.randn((int(inverse.max()) + 1, *shape), generator=gen)
+            initial_noise = per_group[inverse]
+        else:
+            initial_noise = torch.randn((bsz, *shape), generator=gen)
+    elif tuple(initial_noise.shape) != (bsz, *shape):
+        raise ValueError(f"initial_noise has shape {tuple(initial_noise.shape)}, expected {(bsz, *shape)}")
+    step_noise = {k: torch.randn((bsz, *shape), generator=gen) for k in sorted(stochastic)}
+    return RolloutPlan(stochastic=sorted(stochastic), trained=sorted(trained), initial_noise=initial_noise,
+                       step_noise=step_noise)
+
+
+def trajectory_coefficients(cfg: "RolloutConfig", sigmas: torch.Tensor,
+                            stochastic: Sequence[int]) -> list[StepCoefficients]:
+    """Coefficients of every step k < N: ``cfg.sampler`` at ``stochastic`` steps, the Euler ODE elsewhere.
+
+    sigmas [b, N+1]; returns N StepCoefficients of [b] each, on sigmas' device (SPEC §1.2).
+    """
+    stochastic = set(stochastic)
+    return [sampler_coefficients(cfg.sampler, sigmas, k, noise_level=cfg.noise_level) if k in stochastic
+            else sampler_coefficients("ode", sigmas, k, noise_level=0.0) for k in range(sigmas.shape[1] - 1)]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -129,12 +190,15 @@ class DiffusersRollout:
     def run_trajectory(self, cond: Conditioning, x_init: torch.Tensor, *, sigmas: torch.Tensor,
                        stochastic: Sequence[int] = (), trained: Sequence[int] = (),
                        step_noise: Optional[dict[int, torch.Tensor]] = None, store_velocities: bool = False,
-                       negative_cond: Optional[Conditioning] = None) -> dict[str, torch.Tensor]:
+                       negative_cond: Optional[Conditioning] = None,
+                       coefficients: Optional[Sequence[StepCoefficients]] = None) -> dict[str, torch.Tensor]:
         """One micro-batch through all N steps: ``sampler`` at ``stochastic`` steps, ODE elsewhere.
 
         Args: cond: Conditioning [b].  x_init: x_{t_0} [b, *] float32 on the device.  sigmas: [b, N+1].
           stochastic: steps drawn with the sampler (need ``step_noise[k]`` [b, *]).  trained: steps whose
           log-prob (and velocity) are stored; τ_k must be > 0 there (else the step is masked out).
+          coefficients: the N steps' coefficients ([b] each, on the device) to use instead of computing them
+          here (:func:`trajectory_coefficients`); a backend passes the ones it computed on the CPU.
         Returns: all_latents [b, N+1, *], train_mask [b, N] int32, rollout_log_probs, sde_cx, sde_cv,
           sde_std [b, N], and old_velocities [b, N, *] when ``store_velocities``.
         """
@@ -148,11 +212,13 @@ class DiffusersRollout:
         velocities = torch.zeros_like(latents[:, :n]) if store_velocities else None
         x = x_init
         latents[:, 0] = x
+        if coefficients is None:
+            coefficients = trajectory_coefficients(cfg, sigmas, stochastic)
         for k in range(n):
             v = self.adapter.velocity(x, sigmas[:, k], cond, guidance_scale=cfg.guidance_scale,
                                       negative_cond=negative_cond)
+            coef = coefficients[k]
             if k in stochastic:
-                coef = sampler_coefficients(cfg.sampler, sigmas, k, noise_level=cfg.noise_level)
                 out = sde_step(x, v, coef, noise=step_noise[k], convention=cfg.log_prob_convention)
                 x = out.next_x
                 if k in trained and out.log_prob is not None:
@@ -162,7 +228,6 @@ class DiffusersRollout:
                     if velocities is not None:
                         velocities[:, k] = v
             else:
-                coef = sampler_coefficients("ode", sigmas, k, noise_level=0.0)
                 x = step_mean(x, v, coef)
             cx[:, k], cv[:, k], std[:, k] = coef.c_x, coef.c_v, coef.std
             latents[:, k + 1] = x
@@ -202,27 +267,11 @@ class DiffusersRollout:
         start = time.perf_counter()
 
         # --- every random draw, in a fixed order, on a CPU generator
-        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        plan = plan_rollout(cfg, group_ids, self._latent_shape(), seed=seed, iteration=iteration,
+                            initial_noise=initial_noise)
+        stochastic, trained, initial_noise, step_noise = plan.stochastic, plan.trained, plan.initial_noise, \
+            plan.step_noise
         n = cfg.num_steps
-        if cfg.sampler == "ode":
-            stochastic, trained = [], []
-        elif cfg.window.mode == "none":
-            stochastic = stochastic_steps(cfg.window, num_steps=n)
-            trained = window_steps(cfg.window, num_steps=n)
-        else:
-            trained = window_steps(cfg.window, num_steps=n, iteration=iteration, generator=gen)
-            stochastic = trained
-        shape = self._latent_shape()
-        if initial_noise is None:
-            if cfg.same_noise_per_group:
-                _, inverse = torch.unique(group_ids, return_inverse=True)
-                per_group = torch.randn((int(inverse.max()) + 1, *shape), generator=gen)
-                initial_noise = per_group[inverse]
-            else:
-                initial_noise = torch.randn((bsz, *shape), generator=gen)
-        elif tuple(initial_noise.shape) != (bsz, *shape):
-            raise ValueError(f"initial_noise has shape {tuple(initial_noise.shape)}, expected {(bsz, *shape)}")
-        step_noise = {k: torch.randn((bsz, *shape), generator=gen) for k in sorted(stochastic)}
 
         sigmas = make_grid(n, cfg.shift, dtype=torch.float32).to(device).unsqueeze(0).expand(bsz, -1).contiguous()
         cond = self.encode_prompts(prompts)
