@@ -37,6 +37,7 @@ def register_all() -> None:
     _register_policy_losses()
     _register_engine()
     _register_reward_managers()
+    _register_vllm_omni_rollout()
     _DONE = True
 
 
@@ -49,6 +50,24 @@ def _register_platform() -> None:
 
     register_cpu_platform()
     _REGISTERED.append("platform:cpu")
+
+
+def _register_vllm_omni_rollout() -> None:
+    """The ``vllm_omni`` replica (verl's ``RolloutReplicaRegistry``; the loader imports it lazily) and its in-worker
+    adapter (verl's ``_ROLLOUT_REGISTRY`` dict, which has no register function). docs/rollout_replicas.md §1.
+    Neither imports vllm-omni here: a process without it can still name the replica and get a clear error later."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    def load_vllm_omni():
+        from verl_diffusion.rollout.vllm_omni.replica import VllmOmniReplica
+
+        return VllmOmniReplica
+
+    RolloutReplicaRegistry.register("vllm_omni", load_vllm_omni)
+    rollout_base._ROLLOUT_REGISTRY[("vllm_omni", "async")] = \
+        "verl_diffusion.rollout.vllm_omni.replica.VllmOmniServerAdapter"
+    _REGISTERED.extend(["rollout_replica:vllm_omni", "rollout_adapter:vllm_omni"])
 
 
 def _register_engine() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from typing import Any, ClassVar, Iterable, Optional
 
 import torch
@@ -26,6 +27,7 @@ from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
 from verl_diffusion.algos.sde import make_grid
+from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, trajectory_coefficients
 from verl_diffusion.rollout.vllm_omni.protocol import SampleRequest, parse_extra_args, read_lora_dir
 
@@ -70,8 +72,10 @@ class AdapterRolloutPipeline(nn.Module):
         transformer_cls = _import(self.transformer_class)
         # Random init from the config; vllm-omni's loader then copies every checkpoint weight in load_weights.
         transformer = transformer_cls.from_config(transformer_cls.load_config(path, subfolder="transformer"))
-        pipe = _import(self.diffusers_pipeline).from_pretrained(path, transformer=transformer.to(dtype),
-                                                                 torch_dtype=dtype)
+        with warnings.catch_warnings():     # diffusers ≥ 0.42 renames torch_dtype; .to(dtype) of a fresh module
+            warnings.simplefilter("ignore")
+            pipe = _import(self.diffusers_pipeline).from_pretrained(path, transformer=transformer.to(dtype),
+                                                                     torch_dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         self.adapter = _import(self.adapter_class).from_pipeline(pipe)
         for name, module in pipe.components.items():      # children, so .to(device) and sleep mode see them
@@ -197,15 +201,21 @@ class AdapterRolloutPipeline(nn.Module):
         The transformer carries one peft adapter, configured as the trainer's, whose weights each call replaces:
         a weight sync is ``add_lora(new id)`` then ``remove_lora(old id)``. Returns True.
         """
-        from peft import set_peft_model_state_dict
+        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
         state, config = read_lora_dir(lora_request.lora_path)
         with self._lock:
             if not self.adapter.has_lora:
-                self.adapter.add_lora(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                                      target_modules=list(config["target_modules"]),
-                                      adapter_name=self.lora_adapter_name)
+                # Injected as the trainer's engine injects it (workers/engine.py), in the base weights' dtype.
+                targets = config["target_modules"]
+                lora = LoraConfig(r=int(config["r"]), lora_alpha=config["lora_alpha"], bias="none",
+                                  target_modules=targets if isinstance(targets, str) else list(targets))
                 self.transformer.requires_grad_(False)
+                inject_adapter_in_model(lora, self.transformer, adapter_name=self.lora_adapter_name)
+                base = next(p.dtype for n, p in self.transformer.named_parameters() if "lora_" not in n)
+                for n, p in self.transformer.named_parameters():
+                    if "lora_" in n:
+                        p.data = p.data.to(base)
             result = set_peft_model_state_dict(self.transformer, state, adapter_name=self.lora_adapter_name)
             unexpected = list(getattr(result, "unexpected_keys", []) or [])
             if unexpected:
@@ -246,10 +256,9 @@ class SD3RolloutPipeline(AdapterRolloutPipeline):
     adapter_class = "verl_diffusion.models.sd3.SD3Adapter"
 
 
-# diffusers pipeline class (model_index.json "_class_name") -> our pipeline.
-PIPELINES: dict[str, type[AdapterRolloutPipeline]] = {
-    "StableDiffusion3Pipeline": SD3RolloutPipeline,
-}
+# diffusers pipeline class (model_index.json "_class_name") -> our pipeline (the table lives in the package
+# __init__, which the replica reads without importing vllm-omni).
+PIPELINES: dict[str, type[AdapterRolloutPipeline]] = {arch: globals()[name] for arch, name in PIPELINE_CLASSES.items()}
 
 
 def register_pipelines() -> dict[str, str]:
