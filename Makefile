@@ -1,14 +1,16 @@
 # verl-diffusion: the two commands of the README.
 #   make run    set up from scratch (venv, CPU torch 2.13.0 first, the package) and train the tiny default
 #   make test   set up from scratch and run the test suite
+#   make test-vllm-omni   the vllm-omni CPU tests in their own venv (scripts/setup_vllm_omni_cpu.sh)
 # PYTHON picks the interpreter that creates the venv; VENV its folder.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+VO_VENV ?= .venv-vllm-omni
 
-.PHONY: setup run test check bench clean
+.PHONY: setup run test check bench clean setup-vllm-omni test-vllm-omni
 
 setup: $(VENV)/.installed
 
@@ -27,6 +29,15 @@ run: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests $(ARGS)
 
+# vllm and vllm-omni go into a second venv (--no-deps on CPU; docs/vllm_omni.md): the main suite never sees them.
+setup-vllm-omni: $(VO_VENV)/.installed
+
+$(VO_VENV)/.installed: pyproject.toml scripts/setup_vllm_omni_cpu.sh
+	VENV=$(VO_VENV) PYTHON=$(PYTHON) bash scripts/setup_vllm_omni_cpu.sh
+
+test-vllm-omni: setup-vllm-omni
+	$(VO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rollout/vllm_omni $(ARGS)
+
 check: setup
 	$(PY) -m verl_diffusion.check
 
@@ -35,4 +46,4 @@ bench: setup
 	$(PY) benchmarks/loss_kernels.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VO_VENV) outputs .pytest_cache

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU smoke test: the sd35_ocr_flowgrpo settings (LoRA r32/a64, group 24, 10 steps, noise 0.7, bf16, FSDP2,
 # EMA, KL beta 0.04) on the tiny SD3 architecture at 512 px, a few steps on one GPU. Prints images/s and peak
-# GPU memory per step. Run from the repository root:  bash scripts/gpu_smoke.sh [extra hydra overrides]
+# GPU memory per step. Then the vllm-omni engine checks (docs/vllm_omni.md) when vllm-omni is installed
+# (pip install -e '.[vllm-omni]'). Run from the repository root:  bash scripts/gpu_smoke.sh [extra hydra overrides]
 set -euo pipefail
 ROOT="${VERL_DIFFUSION_RUN_ROOT:-/tmp/verl_diffusion_gpu_smoke}"
 export VERL_DIFFUSION_RUN_ROOT="$ROOT"
@@ -22,3 +23,9 @@ for r in rows:
           f"peak GPU memory {r.get('perf/max_memory_allocated_gb', float('nan')):.2f} GiB allocated / "
           f"{r.get('perf/max_memory_reserved_gb', float('nan')):.2f} GiB reserved, reward {r['reward/mean']:.4f}")
 PY
+# vllm-omni's diffusion engine with our pipelines: generate, LoRA add/remove, collective_rpc weights, sleep/wake.
+if python -c "import vllm_omni" 2>/dev/null; then
+  python -m pytest -q -s -p no:cacheprovider tests/rollout/vllm_omni
+else
+  echo "vllm-omni not installed: pip install -e '.[vllm-omni]' to run tests/rollout/vllm_omni/*_gpu.py"
+fi

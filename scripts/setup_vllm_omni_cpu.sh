@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A second virtual environment with vllm-omni, for the vllm-omni CPU tests (docs/vllm_omni.md, "Install").
+#
+# vllm and vllm-omni are GPU packages: installed with their dependency trees they pull CUDA builds of torch,
+# torchvision, torchaudio, flashinfer and more. On a CPU host we install both with --no-deps and add only what
+# their diffusion registry, loader, data classes, model runner, worker and engine modules import. The pins are the
+# combination that installs next to verl 0.9.x (transformers < 5.11): vllm-omni 0.28.0 (transformers >= 5.10.1,
+# diffusers == 0.40.0) on vllm 0.28.0 (torch == 2.13.0). A separate environment, so that vllm's presence (verl
+# checks for it) and diffusers 0.40 never change the main test suite.
+#
+#   bash scripts/setup_vllm_omni_cpu.sh            # creates .venv-vllm-omni (VENV=... to choose)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv-vllm-omni}"
+PY="$VENV/bin/python"
+PIP="$PY -m pip install -q"
+PINS="$(mktemp)"
+trap 'rm -f "$PINS"' EXIT
+printf '%s\n' "torch==2.13.0" "transformers>=5.10.1,<5.11" "diffusers==0.40.0" "accelerate==1.12.0" > "$PINS"
+
+"$PYTHON" -m venv "$VENV"
+$PIP --upgrade pip
+$PIP "torch==2.13.0"                        # CPU torch first and alone, as in the Makefile
+$PIP -c "$PINS" -e ".[test]"
+$PIP --no-deps "vllm==0.28.0" "vllm-omni==0.28.0"
+# Imported at module level by vllm / vllm-omni's diffusion stack; wheels with no CUDA code.
+$PIP -c "$PINS" "aenum==3.1.16" "cbor2" "openai-harmony" "openai" "pybase64" "uvloop" "py-cpuinfo" "tiktoken" \
+    "loguru" "prettytable" "einops" "janus" "accelerate==1.12.0" "msgspec" "pyzmq" "blake3" "gguf" \
+    "partial-json-parser" "lark==1.2.2"
+# Their own dependencies are GPU builds (triton, CUDA toolkits): only the Python packages.
+$PIP --no-deps "xgrammar<1.0.0,>=0.2.1" "llguidance<1.8.0,>=1.7.0" "cache-dit==1.5.0" "outlines_core==0.2.14" \
+    "apache-tvm-ffi==0.1.11"
+# CUDA-linked wheels that a dependency (verl[verl-core]) brings and that fail to load next to CPU torch; vllm
+# guards both imports (ImportError), so without them its modules load.
+"$PY" -m pip uninstall -q -y torchvision torchcodec 2>/dev/null || true
+"$PY" - <<'PY'
+import importlib.metadata as md
+import vllm_omni.diffusion.diffusion_engine, vllm_omni.diffusion.model_loader.diffusers_loader  # noqa: F401
+import vllm_omni.diffusion.worker.diffusion_model_runner, vllm_omni.diffusion.worker.diffusion_worker  # noqa: F401
+import vllm_omni.entrypoints.async_omni  # noqa: F401
+print("vllm-omni CPU environment:", ", ".join(f"{p} {md.version(p)}" for p in
+      ("vllm-omni", "vllm", "verl", "torch", "transformers", "diffusers")))
+PY
+touch "$VENV/.installed"

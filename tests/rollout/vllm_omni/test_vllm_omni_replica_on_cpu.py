@@ -1,0 +1,134 @@
+"""The vllm_omni replica's parts that need no engine: registration, request planning, weight routing, errors.
+
+Run in the main environment (no vllm-omni): the replica module imports vllm-omni only when an engine starts.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from vllm_omni_cases import GROUPS, PROMPTS, generate_request, rollout_config
+
+from verl_diffusion.rollout.diffusers_rollout import plan_rollout
+from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
+from verl_diffusion.rollout.vllm_omni.protocol import (collate_trajectories, parse_extra_args, read_lora_dir,
+                                                       write_lora_dir)
+from verl_diffusion.rollout.vllm_omni.replica import (VllmOmniReplica, VllmOmniServerAdapter, build_engine_requests,
+                                                      engine_kwargs, split_lora_weights)
+
+
+class SamplingParams:
+    """Stands in for vllm-omni's OmniDiffusionSamplingParams (same keyword fields)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_replica_and_adapter_are_registered_in_a_fresh_process():
+    code = ("import verl\n"
+            "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
+            "from verl.workers.rollout.base import get_rollout_class\n"
+            "print(RolloutReplicaRegistry.get('vllm_omni').__name__, get_rollout_class('vllm_omni', 'async').__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-2:] == ["VllmOmniReplica", "VllmOmniServerAdapter"]
+
+
+def test_engine_requests_carry_the_diffusers_replicas_plan():
+    """Row i gets x_{t_0}[i] and z_k[i] of the plan seeded seed·1000 + 0 (one sampling rank)."""
+    cfg, request = rollout_config(), generate_request(seed=3)
+    rows = build_engine_requests(cfg, request, (16, 16, 16), sampling_params_cls=SamplingParams)
+    plan = plan_rollout(cfg, torch.tensor(GROUPS), (16, 16, 16), seed=3000)
+    assert [r["prompt"] for r in rows] == PROMPTS and len({r["request_id"] for r in rows}) == len(PROMPTS)
+    for i, r in enumerate(rows):
+        sp = r["sampling_params"]
+        assert torch.equal(sp.latents, plan.initial_noise[i:i + 1])
+        assert (sp.height, sp.width, sp.num_inference_steps) == (64, 64, 6)
+        back = parse_extra_args(sp.extra_args)
+        assert back.cfg == cfg and back.store_velocities
+        assert back.stochastic == tuple(plan.stochastic) == (1, 2) and back.trained == (1, 2)
+        assert torch.equal(back.step_noise, torch.stack([plan.step_noise[k][i] for k in plan.stochastic]))
+
+
+def test_same_noise_per_group_and_branched_requests():
+    cfg = rollout_config(same_noise_per_group=True)
+    rows = build_engine_requests(cfg, generate_request(), (16, 16, 16), sampling_params_cls=SamplingParams)
+    x0 = torch.cat([r["sampling_params"].latents for r in rows])
+    assert torch.equal(x0[0], x0[2]) and not torch.equal(x0[0], x0[3])
+    with pytest.raises(ValueError, match="branched"):
+        build_engine_requests(cfg, generate_request(branched={"num_children": 2, "branch_steps": [1]}), (16, 16, 16),
+                              sampling_params_cls=SamplingParams)
+
+
+def test_lora_names_and_directory_round_trip(tmp_path):
+    named = [("blocks.0.attn.to_q.lora_A.default.weight", torch.ones(4, 8)),
+             ("blocks.0.attn.to_q.lora_B.default.weight", torch.zeros(8, 4)),
+             ("blocks.0.attn.to_q.weight", torch.ones(8, 8))]
+    lora, full = split_lora_weights(named)
+    assert sorted(lora) == ["blocks.0.attn.to_q.lora_A.weight", "blocks.0.attn.to_q.lora_B.weight"]
+    assert list(full) == ["blocks.0.attn.to_q.weight"]
+    path = write_lora_dir(tmp_path / "l", lora, {"r": 4, "lora_alpha": 8, "target_modules": {"attn.to_q"}})
+    state, config = read_lora_dir(path)
+    assert config == {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["attn.to_q"]}
+    assert all(torch.equal(state[k], lora[k]) for k in lora)
+    with pytest.raises(ValueError, match="target_modules"):
+        write_lora_dir(tmp_path / "m", lora, {"r": 4})
+
+
+def test_protocol_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="extra_args"):
+        parse_extra_args({})
+    with pytest.raises(ValueError, match="keys"):
+        collate_trajectories([{"latents": torch.zeros(2)}, {"log_probs": torch.zeros(2)}])
+    with pytest.raises(ValueError, match="unknown trajectory keys"):
+        collate_trajectories([{"latent": torch.zeros(2)}])
+
+
+def test_engine_kwargs_name_our_pipeline_and_extension(tiny_sd3_path, tmp_path):
+    kw = engine_kwargs(tiny_sd3_path, dtype="float32", extra={"enable_cpu_offload": True})
+    assert kw["custom_pipeline_args"] == {"pipeline_class": "verl_diffusion.rollout.vllm_omni.pipelines."
+                                                             + PIPELINE_CLASSES["StableDiffusion3Pipeline"]}
+    assert kw["worker_extension_cls"].endswith("worker_extension.VerlDiffusionWorkerExtension")
+    assert kw["enforce_eager"] and kw["enable_sleep_mode"] and kw["enable_cpu_offload"]
+    (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    with pytest.raises(ValueError, match="no pipeline for 'WanPipeline'"):
+        engine_kwargs(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        engine_kwargs(str(tmp_path / "missing"))
+
+
+def _adapter(path):
+    config = OmegaConf.create({"num_steps": 6, "resolution": 64, "sde": {"type": "flow_sde"}})
+    model = OmegaConf.create({"path": path, "lora_rank": 4, "lora_alpha": 8, "target_modules": ["attn.to_q"]})
+    return VllmOmniServerAdapter(config=config, model_config=model, replica_rank=7, start_engine=False)
+
+
+def test_weight_updates_route_lora_and_full_weights(tiny_sd3_path, monkeypatch):
+    import asyncio
+
+    adapter = _adapter(tiny_sd3_path)
+    got = []
+    monkeypatch.setattr(adapter, "load_lora", lambda state: got.append(("lora", sorted(state))))
+    monkeypatch.setattr(adapter, "load_full", lambda state: got.append(("full", sorted(state))))
+    lora = [("a.to_q.lora_A.default.weight", torch.zeros(1)), ("a.to_q.lora_B.default.weight", torch.zeros(1))]
+    asyncio.run(adapter.update_weights(iter(lora), global_steps=3))
+    asyncio.run(adapter.update_weights(iter([("a.to_q.weight", torch.zeros(1))]), global_steps=4))
+    assert got == [("lora", ["a.to_q.lora_A.weight", "a.to_q.lora_B.weight"]), ("full", ["a.to_q.weight"])]
+    assert adapter.global_steps == 4 and adapter.cfg.num_steps == 6 and adapter.target_modules == ["attn.to_q"]
+    with pytest.raises(ValueError, match="mixes"):
+        asyncio.run(adapter.update_weights(iter(lora + [("a.to_q.weight", torch.zeros(1))])))
+    with pytest.raises(ValueError, match="named_tensors"):
+        asyncio.run(adapter.update_weights(iter([]), wire_format="delta_flush"))
+
+
+def test_replica_placement_and_size_errors(tiny_sd3_path):
+    import asyncio
+
+    config = OmegaConf.create({"tensor_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="one GPU per replica"):
+        VllmOmniReplica(0, config, OmegaConf.create({"path": tiny_sd3_path}))
+    replica = VllmOmniReplica(0, OmegaConf.create({}), OmegaConf.create({"path": tiny_sd3_path}))
+    with pytest.raises(NotImplementedError, match="standalone"):
+        asyncio.run(replica.init_hybrid(None))
