@@ -206,7 +206,7 @@ def test_lora_through_add_and_remove_lora_is_bitwise_the_trainers(pipeline, work
     assert_bitwise(collate(run(pipeline, engine_requests(cfg, request))), diffusers_batch(reference, cfg, request))
 
 
-def test_full_weight_sync_through_the_extension_is_bitwise(pipeline, worker, tiny_sd3_path):
+def test_full_weight_sync_through_the_extension_is_bitwise(pipeline, worker, reference, tiny_sd3_path):
     """The collective_rpc method: the actor's full transformer state (names without the pipeline prefix)."""
     trained = SD3Adapter.from_pretrained(tiny_sd3_path)
     gen = torch.Generator().manual_seed(4)
@@ -219,6 +219,9 @@ def test_full_weight_sync_through_the_extension_is_bitwise(pipeline, worker, tin
     assert_bitwise(collate(run(pipeline, engine_requests(cfg, request))), diffusers_batch(trained, cfg, request))
     with pytest.raises(KeyError, match="matches no parameter"):
         worker.verl_load_weights([("transformer_blocks.99.attn.to_q.weight", torch.zeros(1))])
+    # Back to the checkpoint's weights (the module-scoped pipeline serves the other tests).
+    worker.verl_load_weights(list(reference.transformer.state_dict().items()))
+    assert_bitwise(collate(run(pipeline, engine_requests(cfg, request))), diffusers_batch(reference, cfg, request))
 
 
 def test_extension_methods_win_over_the_workers_own(tiny_sd3_path):

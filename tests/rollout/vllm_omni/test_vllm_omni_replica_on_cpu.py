@@ -16,7 +16,7 @@ from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
 from verl_diffusion.rollout.vllm_omni.protocol import (collate_trajectories, parse_extra_args, read_lora_dir,
                                                        write_lora_dir)
 from verl_diffusion.rollout.vllm_omni.replica import (VllmOmniReplica, VllmOmniServerAdapter, build_engine_requests,
-                                                      engine_kwargs, split_lora_weights)
+                                                      engine_kwargs, split_lora_weights, validate_vllm_omni_config)
 
 
 class SamplingParams:
@@ -132,3 +132,25 @@ def test_replica_placement_and_size_errors(tiny_sd3_path):
     replica = VllmOmniReplica(0, OmegaConf.create({}), OmegaConf.create({"path": tiny_sd3_path}))
     with pytest.raises(NotImplementedError, match="standalone"):
         asyncio.run(replica.init_hybrid(None))
+
+
+@pytest.mark.parametrize("rollout, match", [
+    ({"data_parallel_size": 2}, "one GPU per replica"),
+    ({"placement": "colocated"}, "runs standalone"),
+    ({"branched": {"enabled": True}}, "branched"),
+])
+def test_config_refused_before_ray_with_one_line(tiny_sd3_path, rollout, match):
+    with pytest.raises(ValueError, match=match) as err:
+        validate_vllm_omni_config(OmegaConf.create(rollout), OmegaConf.create({"path": tiny_sd3_path}))
+    assert "\n" not in str(err.value)
+
+
+def test_config_accepted_or_missing_vllm_omni_named(tiny_sd3_path):
+    import importlib.util
+
+    rollout, model = OmegaConf.create({"placement": "standalone"}), OmegaConf.create({"path": tiny_sd3_path})
+    if importlib.util.find_spec("vllm_omni") is None:
+        with pytest.raises(ValueError, match="pip install 'verl-diffusion\\[vllm-omni\\]'"):
+            validate_vllm_omni_config(rollout, model)
+    else:
+        validate_vllm_omni_config(rollout, model)

@@ -31,7 +31,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 from verl_diffusion.rollout.diffusers_rollout import RolloutConfig, plan_rollout
 from verl_diffusion.rollout.vllm_omni.protocol import (collate_trajectories, request_extra_args, write_lora_dir)
 
-__all__ = ["REPLICA_NAME", "VllmOmniReplica", "VllmOmniServer", "VllmOmniServerAdapter", "engine_kwargs",
+__all__ = ["REPLICA_NAME", "validate_vllm_omni_config", "VllmOmniReplica", "VllmOmniServer", "VllmOmniServerAdapter", "engine_kwargs",
            "build_engine_requests", "trajectory_of", "split_lora_weights", "load_vllm_omni_replica"]
 
 REPLICA_NAME = "vllm_omni"
@@ -70,6 +70,31 @@ def pipeline_class_for(model_path: str) -> str:
         raise ValueError(f"the vllm_omni replica has no pipeline for {arch!r} (model {model_path!r}); available: "
                          f"{sorted(names)}; or use actor_rollout_ref.rollout.name=diffusers")
     return f"{PIPELINE_MODULE}.{names[arch]}"
+
+
+def validate_vllm_omni_config(rollout_cfg, model_cfg) -> None:
+    """One clear line for a setting the vllm_omni replica cannot run, before any Ray worker or engine starts.
+
+    For the trainer's pre-flight validation (``actor_rollout_ref.rollout`` / ``.model``); raises ValueError.
+    """
+    import importlib.util
+
+    size = _world_size(rollout_cfg)
+    if size != 1:
+        raise ValueError(f"actor_rollout_ref.rollout tensor × data × pipeline parallel sizes = {size}; the vllm_omni "
+                         "replica runs one GPU per replica: set them to 1 and scale with more replicas")
+    placement = str(_get(rollout_cfg, "placement", "standalone"))
+    if placement != "standalone":
+        raise ValueError(f"actor_rollout_ref.rollout.placement={placement!r}; rollout.name=vllm_omni runs standalone "
+                         "(its engine holds its own copy and receives weights through the checkpoint engine)")
+    branched = _get(rollout_cfg, "branched", None)
+    if branched is not None and bool(_get(branched, "enabled", False)):
+        raise ValueError("actor_rollout_ref.rollout.branched.enabled=true is not supported by rollout.name=vllm_omni; "
+                         "use rollout.name=diffusers for TempFlow branched rollouts")
+    pipeline_class_for(str(_get(model_cfg, "path")))
+    if importlib.util.find_spec("vllm_omni") is None:
+        raise ValueError("actor_rollout_ref.rollout.name=vllm_omni but vllm-omni is not installed; on a GPU host: "
+                         "pip install 'verl-diffusion[vllm-omni]' (docs/vllm_omni.md)")
 
 
 def engine_kwargs(model_path: str, *, dtype: str = "bfloat16", enable_sleep_mode: bool = True,
