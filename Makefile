@@ -36,7 +36,7 @@ $(VO_VENV)/.installed: pyproject.toml scripts/setup_vllm_omni_cpu.sh
 	VENV=$(VO_VENV) PYTHON=$(PYTHON) bash scripts/setup_vllm_omni_cpu.sh
 
 test-vllm-omni: setup-vllm-omni
-	$(VO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rollout/vllm_omni $(ARGS)
+	$(VO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rollout/vllm_omni_rollout $(ARGS)
 
 check: setup
 	$(PY) -m verl_diffusion.check

@@ -25,7 +25,7 @@ for r in rows:
 PY
 # vllm-omni's diffusion engine with our pipelines: generate, LoRA add/remove, collective_rpc weights, sleep/wake.
 if python -c "import vllm_omni" 2>/dev/null; then
-  python -m pytest -q -s -p no:cacheprovider tests/rollout/vllm_omni
+  python -m pytest -q -s -p no:cacheprovider tests/rollout/vllm_omni_rollout
 else
-  echo "vllm-omni not installed: pip install -e '.[vllm-omni]' to run tests/rollout/vllm_omni/*_gpu.py"
+  echo "vllm-omni not installed: pip install -e '.[vllm-omni]' to run tests/rollout/vllm_omni_rollout/*_gpu.py"
 fi
