@@ -199,3 +199,14 @@ def test_bf16_load_returns_velocity_in_input_dtype(tiny_dir):
         v = adapter.velocity(x, t, adapter.encode_prompt(PROMPTS))
     assert v.dtype == torch.float32 and torch.isfinite(v).all()
     assert adapter.decode(x).dtype == torch.uint8
+
+
+def test_scheduler_grid_is_the_stock_pipelines(adapter):
+    """SPEC §1.1: SD3.5's FlowMatchEulerDiscreteScheduler(shift=3) at N = 10, the grid Flow-GRPO samples with;
+    the formula grid's t_9 is 0.25, the scheduler's 0.0089."""
+    g = adapter.sampling_grid(10, 64, 64)
+    want = torch.tensor([1, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0])
+    torch.testing.assert_close(g, want, rtol=0, atol=5e-5)
+    pipe = adapter.pipe
+    pipe(prompt="a cat", num_inference_steps=10, height=64, width=64, guidance_scale=1.0, output_type="latent")
+    assert torch.equal(g, pipe.scheduler.sigmas.float())

@@ -12,8 +12,12 @@ Time convention (SPEC §0.1): ``t`` ∈ [0, 1], t = 1 is noise; adapters pass 10
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
+import warnings
 from dataclasses import dataclass, fields, replace
-from typing import ContextManager, Optional, Protocol, Sequence, runtime_checkable
+from pathlib import Path
+from typing import Any, ContextManager, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -23,9 +27,11 @@ from torch import nn
 class Conditioning:
     """Text conditioning of a batch, batch-first. Fields an architecture does not use stay ``None``.
 
-    ``prompt_embeds`` [B, L, D]; ``pooled_prompt_embeds`` [B, D'] (SD3, FLUX); ``prompt_mask`` [B, L]
-    (architectures with padded text, e.g. Qwen-Image). The field names are also the DataProto keys
-    (docs/data_flow.md), see :meth:`as_dict` / :meth:`from_dict`.
+    ``prompt_embeds`` [B, L, D]; ``pooled_prompt_embeds`` [B, D'] (SD3, FLUX.1); ``prompt_mask`` [B, L] int64,
+    1 = a real token, 0 = padding (Qwen-Image, whose text length varies per prompt). Everything else an
+    architecture feeds its transformer (text / image position ids, image shapes) follows from these and the
+    latent shape, so it is rebuilt inside ``velocity`` and never stored. The field names are also the
+    DataProto keys (docs/data_flow.md), see :meth:`as_dict` / :meth:`from_dict`.
     """
 
     prompt_embeds: torch.Tensor
@@ -60,9 +66,39 @@ class Conditioning:
     def __getitem__(self, sl: slice) -> "Conditioning":
         return self._map(lambda t: t[sl])
 
+    def pad_to(self, length: int) -> "Conditioning":
+        """Text padded with zero embeddings (mask 0) to ``length`` tokens; needs ``prompt_mask`` when it pads."""
+        cur = self.prompt_embeds.shape[1]
+        if cur == length:
+            return self
+        if cur > length:
+            raise ValueError(f"cannot pad {cur} text tokens down to {length}")
+        if self.prompt_mask is None:
+            raise ValueError("padding the text needs prompt_mask (which tokens are real); this architecture's "
+                             "conditioning has a fixed text length and must not be padded")
+        pad = length - cur
+        emb = torch.nn.functional.pad(self.prompt_embeds, (0, 0, 0, pad))
+        return replace(self, prompt_embeds=emb, prompt_mask=torch.nn.functional.pad(self.prompt_mask, (0, pad)))
+
+    def trimmed(self) -> "Conditioning":
+        """Drop trailing text positions that are padding in every row (mask 0 everywhere).
+
+        Real tokens keep their positions, so an architecture whose text positions count from the first token
+        (Qwen-Image) gives the same velocity; rows padded to different lengths then compute identically.
+        """
+        if self.prompt_mask is None:
+            return self
+        real = self.prompt_mask.bool().any(dim=0).nonzero()
+        keep = int(real.max()) + 1 if real.numel() else 1
+        if keep == self.prompt_embeds.shape[1]:
+            return self
+        return replace(self, prompt_embeds=self.prompt_embeds[:, :keep], prompt_mask=self.prompt_mask[:, :keep])
+
     @staticmethod
     def cat(items: Sequence["Conditioning"]) -> "Conditioning":
-        """Concatenate along the batch dimension."""
+        """Concatenate along the batch dimension; text of different lengths is padded (``pad_to``) first."""
+        length = max(c.prompt_embeds.shape[1] for c in items)
+        items = [c.pad_to(length) for c in items]
         first = items[0]
         return replace(first, **{f.name: (None if getattr(first, f.name) is None
                                           else torch.cat([getattr(c, f.name) for c in items], dim=0))
@@ -112,11 +148,24 @@ class FlowModelAdapter(Protocol):
         ...
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Latent dims ``*`` of one sample for an image of height × width pixels (e.g. (C, h, w))."""
+        """Latent dims ``*`` of one sample for an image of height × width pixels (e.g. (C, h, w)).
+
+        Every adapter keeps latents channel-first and spatial, [C, h, w]: packing into transformer tokens
+        happens inside ``velocity``, so the resolution is read off the latent itself.
+        """
         ...
 
-    def lora_targets(self) -> list[str]:
-        """Default LoRA target module names of the transformer (peft ``target_modules``)."""
+    def sampling_grid(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """The model's own sampling grid t_0 = 1 > … > t_N (SPEC §0.2, §1.1): float32 [N+1].
+
+        Exactly the sigmas the architecture's diffusers pipeline sets on its scheduler for ``num_steps`` at
+        this image size (static shift, or resolution-dependent "dynamic" shift with ``mu``), so the Euler ODE
+        on this grid reproduces the stock pipeline.
+        """
+        ...
+
+    def lora_targets(self) -> Union[list[str], str]:
+        """Default LoRA targets of the transformer (peft ``target_modules``: suffix list or full-match regex)."""
         ...
 
 
@@ -146,3 +195,187 @@ def disable_lora_layers(module: nn.Module) -> ContextManager[None]:
                 m.enable_adapters(on)
 
     return ctx()
+
+
+def lora_target_regex(groups: dict[str, Sequence[str]]) -> str:
+    """A peft full-match regex for exactly the listed layers inside numbered blocks.
+
+    ``groups`` maps a block list (e.g. ``"transformer_blocks"``) to layer names relative to one block (e.g.
+    ``"attn.to_q"``). Suffix lists cannot say "``proj_out`` inside a single-stream block but not the model's
+    final ``proj_out``", nor tell a ``to_out`` Linear from a ``to_out`` ModuleList; a regex can.
+    """
+    import re
+
+    parts = [rf"{re.escape(block)}\.\d+\.(?:{'|'.join(re.escape(n) for n in names)})"
+             for block, names in groups.items()]
+    return rf"^(?:.*\.)?(?:{'|'.join(parts)})$"
+
+
+def scheduler_sigmas(scheduler, num_steps: int, **set_timesteps_kwargs) -> torch.Tensor:
+    """``scheduler.sigmas`` (float32 [N+1], CPU) after ``set_timesteps(num_steps, **kwargs)`` on a copy.
+
+    A copy, because diffusers schedulers keep the last grid (and a step index) as state.
+    """
+    sched = copy.deepcopy(scheduler)
+    sched.set_timesteps(num_steps, device="cpu", **set_timesteps_kwargs)
+    sigmas = sched.sigmas.detach().to("cpu", torch.float32)
+    if sigmas.shape != (num_steps + 1,):
+        raise ValueError(f"{type(scheduler).__name__} gave {tuple(sigmas.shape)} sigmas for {num_steps} steps; "
+                         "an adapter needs a first-order flow-matching scheduler (FlowMatchEulerDiscreteScheduler)")
+    return sigmas
+
+
+class DiffusersAdapter:
+    """What every ``FlowModelAdapter`` over a diffusers pipeline shares: loading, freezing, LoRA / full
+    fine-tuning, the reference model. Subclasses add the architecture's primitives (``encode_prompt``,
+    ``velocity``, ``decode``, ``latent_shape``, ``sampling_grid``) and set:
+
+    * ``architecture``: the diffusers pipeline class name (``model_index.json``'s ``_class_name``);
+    * ``frozen_components``: pipeline attributes that never train (text encoders, VAE);
+    * ``LORA_TARGETS``: the default peft ``target_modules``.
+
+    The text encoders and the VAE are frozen (eval, no grad). The transformer is fully trainable until
+    :meth:`add_lora` freezes its base weights and adds a LoRA adapter. ``adapter.transformer`` may be
+    replaced by a wrapped module (FSDP2, compiled); every method reads the attribute at call time.
+    """
+
+    architecture: str = ""
+    frozen_components: tuple[str, ...] = ("vae", "text_encoder")
+    LORA_TARGETS: Union[list[str], str] = []
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.transformer: nn.Module = pipe.transformer
+        self.vae = pipe.vae
+        for name in self.frozen_components:
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False)
+                module.eval()
+        self.transformer.requires_grad_(True)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_pipeline(cls, pipe, **kwargs):
+        """Wrap an existing pipeline of this architecture (shares its modules, no copy)."""
+        if type(pipe).__name__ != cls.architecture:
+            raise ValueError(f"{cls.__name__} wraps a {cls.architecture}, got {type(pipe).__name__}; "
+                             "pick the adapter of that architecture (verl_diffusion.models.MODEL_ADAPTERS)")
+        return cls(pipe, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32,
+                        device: Union[str, torch.device] = "cpu", **kwargs):
+        """Load a local diffusers directory (``model_index.json`` naming this architecture's pipeline).
+
+        diffusers reads a transformer saved as one file or sharded (``*.safetensors.index.json``) alike.
+        ``kwargs`` go to the adapter's constructor.
+        """
+        found = pipeline_class_name(path)
+        if found != cls.architecture:
+            raise ValueError(f"model path {str(path)!r} holds a {found!r} pipeline, not a {cls.architecture}; "
+                             f"use the adapter of that architecture (verl_diffusion.models.MODEL_ADAPTERS)")
+        import diffusers
+
+        pipe_cls = getattr(diffusers, cls.architecture)
+        with warnings.catch_warnings():   # diffusers ≥ 0.42 renames torch_dtype → dtype; older lack dtype
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = pipe_cls.from_pretrained(str(path), torch_dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe.to(device), **kwargs)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the transformer inputs."""
+        return next(self.transformer.parameters()).dtype
+
+    def lora_targets(self) -> Union[list[str], str]:
+        targets = self.LORA_TARGETS
+        return targets if isinstance(targets, str) else list(targets)
+
+    def _check_size(self, height: int, width: int, multiple: int, what: str) -> None:
+        if height % multiple or width % multiple:
+            raise ValueError(f"image size {height}x{width} is not a multiple of {multiple} ({what}); "
+                             f"use e.g. {height // multiple * multiple or multiple}x"
+                             f"{width // multiple * multiple or multiple}")
+
+    @staticmethod
+    def _check_cfg(guidance_scale: float, negative_cond: Optional[Conditioning]) -> bool:
+        """True when CFG is on; with CFG on, ``negative_cond`` is required."""
+        if guidance_scale == 1.0:
+            return False
+        if negative_cond is None:
+            raise ValueError(f"velocity(guidance_scale={guidance_scale}) needs negative_cond (e.g. "
+                             "adapter.encode_prompt(['']*B)); pass guidance_scale=1.0 to disable CFG")
+        return True
+
+    # ------------------------------------------------------------------ training modes
+
+    def add_lora(self, rank: int, alpha: float, target_modules: Optional[Union[list[str], str]] = None,
+                 init_lora_weights: Union[str, bool] = "gaussian", adapter_name: str = "default") -> None:
+        """Freeze the base transformer and add a peft LoRA adapter (only its weights train).
+
+        peft's inits ("gaussian" and True) both zero the B matrices: the velocity is unchanged at init.
+        """
+        from peft import LoraConfig, inject_adapter_in_model
+
+        if rank <= 0:
+            raise ValueError(f"LoRA rank={rank} must be > 0; for full fine-tuning do not call add_lora")
+        targets = target_modules or self.lora_targets()
+        config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=init_lora_weights,
+                            target_modules=targets if isinstance(targets, str) else list(targets))
+        self.transformer.requires_grad_(False)
+        if hasattr(self.transformer, "add_adapter"):   # diffusers' PeftAdapterMixin: also records peft_config
+            self.transformer.add_adapter(config, adapter_name=adapter_name)
+        else:                                          # a wrapped / plain module
+            inject_adapter_in_model(config, self.transformer, adapter_name=adapter_name)
+        for name, p in self.transformer.named_parameters():
+            p.requires_grad_("lora_" in name)
+
+    def lora_state_dict(self, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+        """The LoRA weights only (peft key names), for checkpoints and weight sync."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.transformer, adapter_name=adapter_name)
+
+    @property
+    def has_lora(self) -> bool:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return any(isinstance(m, BaseTunerLayer) for m in self.transformer.modules())
+
+    def disable_adapter(self) -> ContextManager[None]:
+        """Context manager: LoRA disabled, the transformer is the base (reference) model."""
+        return disable_lora_layers(self.transformer)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """LoRA weights when a LoRA is attached, else every transformer weight (full fine-tuning)."""
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def frozen_copy(self) -> nn.Module:
+        """A frozen deep copy of the current transformer (reference for full fine-tuning)."""
+        ref = copy.deepcopy(self.transformer)
+        ref.requires_grad_(False)
+        return ref.eval()
+
+
+def to_uint8(image: torch.Tensor) -> torch.Tensor:
+    """VAE output in [-1, 1], [B, 3, H, W] → uint8 (rounded as diffusers' image processor does)."""
+    return ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def pipeline_class_name(path: Union[str, Path]) -> str:
+    """``_class_name`` of a local diffusers directory's ``model_index.json`` (the pipeline class)."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} has no model_index.json; pass a local diffusers pipeline directory "
+            "(save_pretrained output, or one of verl_diffusion.models.tiny's save_tiny_* builders)")
+    return str(json.loads(index.read_text()).get("_class_name"))

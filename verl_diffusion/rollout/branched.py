@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from verl_diffusion.algos.advantages import branched_step_advantages
-from verl_diffusion.algos.sde import make_grid, sampler_coefficients, sde_step, step_mean
+from verl_diffusion.algos.sde import sampler_coefficients, sde_step, step_mean
 from verl_diffusion.models.base import Conditioning
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, _sync
 
@@ -119,7 +119,7 @@ def generate_branched(rollout: DiffusersRollout, prompts: Sequence[str], *, seed
     trunk_noise = torch.randn((n_prompts, *shape), generator=gen)
     child_noise = {k: torch.randn((n_prompts, kb, *shape), generator=gen) for k in steps}
 
-    grid = make_grid(n, cfg.shift, dtype=torch.float32).to(device)
+    grid = rollout.grid(n).to(device)
     cond_p = rollout.encode_prompts(prompts)
     neg_p = rollout._negative(n_prompts)
     mb = cfg.micro_batch_size

@@ -26,7 +26,10 @@ from verl_diffusion.algos.windows import SdeWindowConfig, stochastic_steps, wind
 from verl_diffusion.models.base import Conditioning
 
 __all__ = ["RolloutConfig", "DiffusersRollout", "RolloutPlan", "plan_rollout", "trajectory_coefficients",
-           "ROLLOUT_KEYS"]
+           "ROLLOUT_KEYS", "GRIDS"]
+
+# rollout.grid choices (SPEC §1.1).
+GRIDS = ("scheduler", "formula")
 
 # Keys of generate()'s output (docs/data_flow.md); ``old_velocities`` only with store_velocities, the
 # ``negative_*`` embeddings only with CFG (guidance_scale != 1).
@@ -40,7 +43,11 @@ class RolloutConfig:
 
     # Sampling steps N of a training rollout.
     num_steps: int = 10
-    # Grid shift S (SPEC §1.1; SD3/SD3.5: 3).
+    # Sampling grid (SPEC §1.1): "scheduler" = the model's own scheduler sigmas at this N and image size
+    # (adapter.sampling_grid: static or dynamic shift, what the stock pipeline samples with); "formula" =
+    # t_k = S·u_k / (1 + (S−1)·u_k) with ``shift`` (the model-free default of tests and tiny models).
+    grid: str = "formula"
+    # Grid shift S of the formula grid (SPEC §1.1; SD3/SD3.5: 3). Unused with grid "scheduler".
     shift: float = 3.0
     # Stochastic sampler inside the window: flow_sde | cps | dance | ode.
     sampler: str = "flow_sde"
@@ -54,6 +61,8 @@ class RolloutConfig:
     same_noise_per_group: bool = False
     # CFG scale; 1 disables CFG (the trained velocity is then the conditional one).
     guidance_scale: float = 1.0
+    # The negative prompt of CFG (Qwen-Image's examples and verl PR #5951 use " ").
+    negative_prompt: str = ""
     # Image size in pixels.
     height: int = 512
     width: int = 512
@@ -66,6 +75,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         check_choice("rollout.sde.type", self.sampler, SAMPLERS)
+        check_choice("rollout.grid", self.grid, GRIDS)
         check_choice("rollout.log_prob_convention", self.log_prob_convention, LOG_PROB_CONVENTIONS)
         for name in ("num_steps", "micro_batch_size", "val_num_steps", "height", "width"):
             value = getattr(self, name)
@@ -179,7 +189,14 @@ class DiffusersRollout:
     def _negative(self, n: int) -> Optional[Conditioning]:
         if self.cfg.guidance_scale == 1.0:
             return None
-        return self.adapter.encode_prompt([""]).index_select(torch.zeros(n, dtype=torch.long))
+        return self.adapter.encode_prompt([self.cfg.negative_prompt]).index_select(torch.zeros(n, dtype=torch.long))
+
+    def grid(self, num_steps: int, height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:
+        """t_0 = 1 > … > t_N = 0, float32 [N+1] on CPU: the model's scheduler sigmas or the SPEC formula."""
+        if self.cfg.grid == "scheduler":
+            sigmas = self.adapter.sampling_grid(num_steps, height or self.cfg.height, width or self.cfg.width)
+            return torch.as_tensor(sigmas, dtype=torch.float32).cpu()
+        return make_grid(num_steps, self.cfg.shift, dtype=torch.float32)
 
     def _latent_shape(self, height: Optional[int] = None, width: Optional[int] = None) -> tuple[int, ...]:
         return tuple(self.adapter.latent_shape(height or self.cfg.height, width or self.cfg.width))
@@ -273,7 +290,7 @@ class DiffusersRollout:
             plan.step_noise
         n = cfg.num_steps
 
-        sigmas = make_grid(n, cfg.shift, dtype=torch.float32).to(device).unsqueeze(0).expand(bsz, -1).contiguous()
+        sigmas = self.grid(n).to(device).unsqueeze(0).expand(bsz, -1).contiguous()
         cond = self.encode_prompts(prompts)
         negative = self._negative(bsz)
 
@@ -324,7 +341,7 @@ class DiffusersRollout:
         _sync(device)
         start = time.perf_counter()
         x_init = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
-        sigmas = make_grid(n, cfg.shift, dtype=torch.float32).to(device).unsqueeze(0).expand(len(prompts), -1)
+        sigmas = self.grid(n, height, width).to(device).unsqueeze(0).expand(len(prompts), -1)
         cond = self.encode_prompts(prompts)
         negative = self._negative(len(prompts))
         images = []
