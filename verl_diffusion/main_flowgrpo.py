@@ -72,6 +72,18 @@ def validate_config(cfg) -> None:
     if not os.path.isfile(os.path.join(str(path), "model_index.json")):
         raise ConfigError(f"actor_rollout_ref.model.path={path!r} has no model_index.json: give a local diffusers "
                           "pipeline folder (save_pretrained output)")
+    try:
+        from verl_diffusion.workers.worker import adapter_kwargs, model_adapter_cls
+
+        adapter_cls = model_adapter_cls(arr.model)
+        adapter_kwargs(arr.model)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"actor_rollout_ref.model: {str(e).strip(chr(39) + chr(34))}") from None
+    found = _pipeline_class(path)
+    if found != adapter_cls.architecture:
+        raise ConfigError(f"actor_rollout_ref.model.architecture={arr.model.get('architecture')!r} wraps a "
+                          f"{adapter_cls.architecture}, but model.path holds a {found}; drop the architecture key "
+                          "(it is read from model_index.json) or point model.path at a matching model")
     for field in ("train_files", "val_files"):
         files = cfg.data.get(field, None)
         if not files:
@@ -163,6 +175,12 @@ def validate_config(cfg) -> None:
                           f"({mini} samples) must divide the {samples} samples of a step and split over {workers} workers")
 
 
+def _pipeline_class(path) -> str:
+    from verl_diffusion.models.base import pipeline_class_name
+
+    return pipeline_class_name(path)
+
+
 def prepare_config(cfg) -> str:
     """Resolve the run dir, build the tiny model when asked, resolve pkg:// data paths. Returns the run dir."""
     from omegaconf import open_dict
@@ -179,11 +197,16 @@ def prepare_config(cfg) -> str:
         if not model.get("path") and model.get("tiny") is not None:
             from omegaconf import OmegaConf
 
-            from verl_diffusion.models.tiny import save_tiny_sd3
+            from verl_diffusion.models.tiny import TINY_BUILDERS, save_tiny
 
-            tiny_dir = os.path.join(run_dir, "tiny_sd3")
+            kwargs = dict(OmegaConf.to_container(model.tiny, resolve=True) or {})
+            arch = str(kwargs.pop("architecture", None) or model.get("architecture", None) or "sd3")
+            if arch not in TINY_BUILDERS:
+                raise ConfigError(f"actor_rollout_ref.model.tiny.architecture={arch!r} is unknown; choose one of "
+                                  f"{sorted(TINY_BUILDERS)}")
+            tiny_dir = os.path.join(run_dir, f"tiny_{arch}")
             if not os.path.isfile(os.path.join(tiny_dir, "model_index.json")):
-                save_tiny_sd3(tiny_dir, **OmegaConf.to_container(model.tiny, resolve=True))
+                save_tiny(arch, tiny_dir, **kwargs)
             model.path = tiny_dir
     return run_dir
 

@@ -102,6 +102,7 @@ def build_rollout_config(rollout_cfg: DictConfig):
     res = rollout_cfg.get("resolution", 512)
     return RolloutConfig(
         num_steps=int(rollout_cfg.get("num_steps", 10)),
+        grid=str(rollout_cfg.get("grid", "scheduler")),
         shift=float(rollout_cfg.get("shift", 3.0)),
         sampler=str(sde.get("type", "flow_sde")),
         noise_level=float(sde.get("noise_level", 0.7)),
@@ -109,11 +110,36 @@ def build_rollout_config(rollout_cfg: DictConfig):
         log_prob_convention=str(sde.get("log_prob_convention", "exact")),
         same_noise_per_group=bool(rollout_cfg.get("same_noise_per_group", False)),
         guidance_scale=float(rollout_cfg.get("guidance_scale", 1.0)),
+        negative_prompt=str(rollout_cfg.get("negative_prompt", "") or ""),
         height=int(res), width=int(res),
         micro_batch_size=int(rollout_cfg.get("micro_batch_size", 8)),
         store_velocities=False,
         val_num_steps=int(rollout_cfg.get("val_num_steps", 40)),
     )
+
+
+def model_adapter_cls(model_cfg):
+    """The adapter class of ``actor_rollout_ref.model``: ``architecture`` when set, else the one the model
+    directory's ``model_index.json`` names (models.PIPELINE_ARCHITECTURES)."""
+    from verl_diffusion.models import adapter_for_path, get_adapter_cls
+
+    name = model_cfg.get("architecture", None)
+    return get_adapter_cls(str(name)) if name else adapter_for_path(str(model_cfg.path))
+
+
+def adapter_kwargs(model_cfg) -> dict:
+    """``actor_rollout_ref.model.adapter_kwargs`` (constructor options of the adapter, e.g. FLUX.1's
+    distilled_guidance_scale), checked against the adapter's signature."""
+    import inspect
+
+    kwargs = dict(_plain(model_cfg.get("adapter_kwargs", None)) or {})
+    cls = model_adapter_cls(model_cfg)
+    params = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(kwargs) - {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
+    if unknown:
+        accepted = sorted(n for n, p in params.items() if p.kind == p.KEYWORD_ONLY)
+        raise ValueError(f"model.adapter_kwargs has {unknown}, which {cls.__name__} does not take; accepted: {accepted}")
+    return kwargs
 
 
 def branched_settings(rollout_cfg) -> Optional[dict]:
@@ -172,12 +198,15 @@ class DiffusionActorRolloutRefWorker(Worker):
                                     engine_config=engine_config, optimizer_config=optim, checkpoint_config=ckpt)
 
     def _model_config(self, *, lora: bool):
-        from verl_diffusion.workers.engine import DEFAULT_LORA_TARGETS, DiffusionModelConfig
+        from verl_diffusion.workers.engine import DiffusionModelConfig
 
         m = self.config.model
         targets = _plain(m.get("target_modules", None))
         if targets in (None, "all-linear"):
-            targets = list(DEFAULT_LORA_TARGETS)
+            # The architecture's own list: every attention / feed-forward projection (Qwen-Image, FLUX), or
+            # Flow-GRPO's joint-attention projections (SD3).
+            targets = model_adapter_cls(m).LORA_TARGETS
+            targets = targets if isinstance(targets, str) else list(targets)
         return DiffusionModelConfig(
             path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
             lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
@@ -190,7 +219,6 @@ class DiffusionActorRolloutRefWorker(Worker):
         from verl.workers.engine_workers import TrainingWorker
 
         from verl_diffusion.models.base import Conditioning
-        from verl_diffusion.models.sd3 import SD3Adapter
         from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout
 
         torch.manual_seed(int(self.config.actor.fsdp_config.get("seed", 42)))
@@ -208,7 +236,8 @@ class DiffusionActorRolloutRefWorker(Worker):
 
         # 2. rollout: the model adapter (VAE, text encoders) whose transformer is the actor's FSDP module.
         dtype = torch_dtype(str(self.config.model.get("dtype", "fp32")))
-        self.adapter = SD3Adapter.from_pretrained(self.config.model.path, dtype=dtype, device=get_device_name())
+        self.adapter = model_adapter_cls(self.config.model).from_pretrained(
+            self.config.model.path, dtype=dtype, device=get_device_name(), **adapter_kwargs(self.config.model))
         self.adapter.transformer = engine.module
         # Drop the pipeline's own transformer copy (the engine built the trained one): one copy per process.
         self.adapter.pipe.transformer = engine.module
@@ -321,6 +350,8 @@ class DiffusionActorRolloutRefWorker(Worker):
         if bool(self.config.rollout.get("keep_trajectories_in_worker", True)):
             self._cache = {"seed": int(meta.get("seed", 0)), "rows": int(out["train_mask"].shape[0]),
                            "tensors": {k: out.pop(k) for k in _HEAVY_KEYS if k in out}}
+        else:
+            _pad_text(out, int(getattr(self.adapter, "max_sequence_length", 0) or 0))
         return DataProto.from_dict(tensors=out, meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -417,6 +448,19 @@ class DiffusionActorRolloutRefWorker(Worker):
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         _reshard(self.actor.engine)
         self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+
+def _pad_text(out: dict, length: int) -> None:
+    """Masked text (Qwen-Image: each rank pads to its own longest prompt) padded to ``length`` tokens in place, so
+    that the ranks' batches concatenate on the driver. The velocity trims padding again, so values do not change."""
+    from verl_diffusion.models.base import Conditioning
+
+    for prefix in ("", "negative_"):
+        if f"{prefix}prompt_mask" not in out:
+            continue
+        cond = Conditioning.from_dict({k[len(prefix):]: out[k] for k in out if k.startswith(prefix + "prompt")
+                                       or k.startswith(prefix + "pooled_prompt")})
+        out.update({prefix + k: v for k, v in cond.pad_to(max(length, cond.prompt_embeds.shape[1])).as_dict().items()})
 
 
 def _reshard(engine) -> None:
