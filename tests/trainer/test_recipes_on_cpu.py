@@ -94,8 +94,48 @@ EXPECTED: dict[str, dict] = {
         A + "optim.lr": 3e-4, "actor_rollout_ref.model.lora_rank": 32, "reward.components": {"pickscore": 1.0}},
     "sd35_multi_gdpo": {**_DPPO, "algorithm.adv_estimator": "flow_grpo_gdpo",
                         "reward.components": {"ocr": 1.0, "pickscore": 1.0}, ALG + "gdpo_reward_weights": [1.0, 1.0]},
-    "tiny_cpu": {"reward.components": {"jpeg_compressibility": 1.0}, R + "n": 8, "trainer.device": "cpu"},
+    "tiny_cpu": {"reward.components": {"jpeg_compressibility": 1.0}, R + "n": 8, "trainer.device": "cpu",
+                 R + "grid": "formula"},
+    # verl PR #5951, examples/flowgrpo_trainer/run_qwen_image_ocr_lora.sh.
+    "qwenimage_ocr_flowgrpo": {
+        "data.train_batch_size": 32, R + "n": 16, "actor_rollout_ref.model.lora_rank": 64,
+        "actor_rollout_ref.model.lora_alpha": 128, "actor_rollout_ref.model.target_modules": "all-linear",
+        A + "optim.lr": 3e-4, A + "optim.weight_decay": 1e-4, PL + "loss_mode": "flow_grpo", PL + "clip_range": 1e-4,
+        PL + "kl_coef": 0.0, ALG + "adv_clip_max": 5.0, R + "resolution": 512, R + "num_steps": 10,
+        R + "val_num_steps": 50, R + "grid": "scheduler", R + "guidance_scale": 4.0, R + "negative_prompt": " ",
+        R + "sde.type": "flow_sde", R + "sde.noise_level": 1.2, R + "sde.window.mode": "random",
+        R + "sde.window.size": 2, R + "sde.window.lo": 0, R + "sde.window.hi": 5, A + "ppo_mini_batch_size": 16,
+        "trainer.total_training_steps": 300, "trainer.n_gpus_per_node": 4,
+        "actor_rollout_ref.model.adapter_kwargs.max_sequence_length": 256, "reward.components": {"ocr": 1.0}},
+    "qwenimage_hpsv3_path_space": {
+        PL + "loss_mode": "path_space", PL + "preset": "ps_kde", PL + "estimator": "kde", PL + "kde_bandwidth": None,
+        PL + "w1_family": "one_minus_t", PL + "w2_family": "t", PL + "kl_coef": 1e-4, PL + "kl_mode": "v_space",
+        R + "sde.noise_level": math.sqrt(2 * 0.005), R + "guidance_scale": 1.0, R + "n": 16, R + "num_steps": 10,
+        R + "val_num_steps": 50, R + "sde.window.size": 10, R + "grid": "scheduler", "data.train_batch_size": 8,
+        A + "optim.lr": 3e-4, A + "optim.betas": [0.9, 0.999], ALG + "std_mode": "global",
+        "reward.components": {"hpsv3": 1.0}},
+    "qwenimage_hpsv3_diffusion_nft": {
+        PL + "loss_mode": "diffusion_nft", PL + "beta": 1.0, PL + "kl_coef": 1e-4, PL + "adv_clip_max": 5.0,
+        A + "old_policy.schedule": "nft", A + "old_policy.nft_type": 1, A + "train_step_fraction": 0.99,
+        R + "guidance_scale": 1.0, R + "n": 16, R + "num_steps": 10, "data.train_batch_size": 8, A + "optim.lr": 3e-4,
+        R + "sde.noise_level": 0.1, "reward.components": {"hpsv3": 1.0}},
+    "flux2_klein_ocr_flow_dppo": {
+        **_DPPO, R + "num_steps": 14, R + "sde.noise_level": 0.9, A + "ppo_epochs": 1, A + "ppo_mini_batch_size": 32,
+        R + "guidance_scale": 1.0, R + "grid": "scheduler", R + "val_num_steps": 50, "actor_rollout_ref.model.lora_rank": 64,
+        "reward.components": {"ocr": 1.0}},
+    "flux1_dev_pickscore_flow_dppo": {
+        **_DPPO, R + "sde.noise_level": 0.9, A + "ppo_epochs": 1, A + "ppo_mini_batch_size": 32,
+        R + "guidance_scale": 1.0, "actor_rollout_ref.model.adapter_kwargs.distilled_guidance_scale": 3.5,
+        R + "grid": "scheduler", R + "val_num_steps": 28, "reward.components": {"pickscore": 1.0}},
 }
+
+# The tiny architecture standing in for each recipe's model.
+def recipe_architecture(name: str) -> str:
+    for prefix, arch in (("sd35_", "sd3"), ("tiny_", "sd3"), ("qwenimage_", "qwen_image"), ("flux2_klein_", "flux2_klein"),
+                         ("flux1_dev_", "flux")):
+        if name.startswith(prefix):
+            return arch
+    raise KeyError(f"recipe {name!r}: name it <model>_<reward>_<algo> with a known model prefix")
 
 # Datasets the recipes read: data_process/<script>.py writes <default_output>/{train,test}.parquet.
 DATASETS = {"ocr": "~/data/ocr", "pickscore": "~/data/pickscore", "geneval": "~/data/geneval"}
@@ -111,8 +151,9 @@ def _load_dp(name: str):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tiny saved SD3 pipeline and the three datasets converted from data_process/samples by data_process/."""
-    from verl_diffusion.models.tiny import save_tiny_sd3
+    """A tiny saved pipeline per architecture and the three datasets converted from data_process/samples by
+    data_process/."""
+    from verl_diffusion.models.tiny import save_tiny
 
     root = tmp_path_factory.mktemp("recipes")
     data = {}
@@ -120,7 +161,8 @@ def assets(tmp_path_factory):
         out = root / ds
         assert _load_dp(ds).main(["--input", str(DP / "samples" / ds), "--output", str(out)]) in (0, None)
         data[ds] = out
-    return {"model": str(save_tiny_sd3(root / "tiny_sd3")), "data": data, "root": root}
+    models = {arch: str(save_tiny(arch, root / f"tiny_{arch}")) for arch in ("sd3", "qwen_image", "flux", "flux2_klein")}
+    return {"models": models, "data": data, "root": root}
 
 
 def _searchpath() -> list[str]:
@@ -143,7 +185,7 @@ def _overrides(name: str, assets, tmp_path, *, model=True, reward=True) -> list[
         raw = compose(config_name=name, overrides=[*_searchpath()])
     ov = [f"trainer.run_dir={tmp_path}/run", f"trainer.default_local_dir={tmp_path}/ckpt"]
     if model:
-        ov.append(f"actor_rollout_ref.model.path={assets['model']}")
+        ov.append(f"actor_rollout_ref.model.path={assets['models'][recipe_architecture(name)]}")
     for field in ("train_files", "val_files"):
         files = [str(f) for f in raw.data[field]]
         mapped = []
@@ -159,6 +201,8 @@ def _overrides(name: str, assets, tmp_path, *, model=True, reward=True) -> list[
             ov.append(f"reward.options.pickscore.model_path={tmp_path}/pickscore")
         if "geneval" in comps:
             ov.append("reward.options.geneval.url=http://127.0.0.1:1")
+        if "hpsv3" in comps:
+            ov.append(f"reward.options.hpsv3.checkpoint_path={tmp_path}/HPSv3.safetensors")
     return ov
 
 
@@ -214,8 +258,8 @@ def test_recipe_composes_validates_and_carries_published_numbers(name, assets, t
     assert set(reward.rewards) == set(EXPECTED[name]["reward.components"])
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if n.startswith("sd35_")])
-def test_sd35_recipes_need_the_model_path(name, assets, tmp_path):
+@pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if n != "tiny_cpu"])
+def test_recipes_need_the_model_path(name, assets, tmp_path):
     """The model path is a required override: without it the run stops before Ray with one line naming it."""
     cfg = _compose(name, _overrides(name, assets, tmp_path, model=False))
     assert cfg.actor_rollout_ref.model.path is None
@@ -224,8 +268,8 @@ def test_sd35_recipes_need_the_model_path(name, assets, tmp_path):
         validate_config(cfg)
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if n.startswith("sd35_")])
-def test_sd35_data_paths_are_what_data_process_writes(name):
+@pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if n != "tiny_cpu"])
+def test_data_paths_are_what_data_process_writes(name):
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         cfg = compose(config_name=name, overrides=_searchpath())
     train, val = list(cfg.data.train_files), list(cfg.data.val_files)
@@ -248,3 +292,23 @@ def test_geneval_url_is_required(assets, tmp_path, monkeypatch):
         build_reward_fn(cfg)
     monkeypatch.setenv("GENEVAL_REWARD_URL", "http://geneval-host:18085")
     assert build_reward_fn(cfg).rewards["geneval"].url == "http://geneval-host:18085"
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if "hpsv3" in n])
+def test_hpsv3_checkpoint_path_is_required(name, assets, tmp_path):
+    cfg = _compose(name, _overrides(name, assets, tmp_path, reward=False))
+    with pytest.raises(ValueError, match=r"hpsv3 needs options\.hpsv3\.checkpoint_path"):
+        build_reward_fn(cfg)
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if n != "tiny_cpu"])
+def test_a_recipe_on_another_architecture_stops_with_one_line(name, assets, tmp_path):
+    """model.architecture pins the adapter; a model directory of another architecture is refused before Ray."""
+    arch = recipe_architecture(name)
+    other = "sd3" if arch != "sd3" else "flux2_klein"
+    ov = [o for o in _overrides(name, assets, tmp_path) if not o.startswith("actor_rollout_ref.model.path=")]
+    cfg = _compose(name, [*ov, f"actor_rollout_ref.model.path={assets['models'][other]}",
+                          f"actor_rollout_ref.model.architecture={arch}"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model"):
+        prepare_config(cfg)
+        validate_config(cfg)
