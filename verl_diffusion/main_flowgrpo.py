@@ -257,20 +257,39 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         if platform == "cpu":
             kwargs["num_cpus"] = max(workers, os.cpu_count() or 1)
         ray.init(**kwargs)
+    pools = make_resource_pool_manager(cfg)
+    trainer = None
     try:
         trainer = RayFlowGRPOTrainer(
             config=cfg, role_worker_mapping={Role.ActorRollout: ray.remote(DiffusionActorRolloutRefWorker)},
-            resource_pool_manager=make_resource_pool_manager(cfg), reward_fn=reward_fn,
+            resource_pool_manager=pools, reward_fn=reward_fn,
             device_name=cfg.trainer.device, run_dir=run_dir)
         trainer.init_workers()
         history = trainer.fit()
-        summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history}
+        summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history,
+                   "worker_info": dict(getattr(trainer, "worker_info", {}) or {})}
         if finalize:
             summary.update(write_artifacts(trainer, run_dir))
         return summary
     finally:
         if own_ray:
             ray.shutdown()
+        else:
+            release_workers(trainer, pools)
+
+
+def release_workers(trainer, pools) -> None:
+    """In a Ray session the caller keeps (tests run several trainings in one): kill this run's workers and remove
+    its placement groups, whose names verl derives from the pool name, so the next run can create them again."""
+    import ray
+    from ray.util import remove_placement_group
+
+    group = getattr(trainer, "actor_rollout_wg", None) if trainer is not None else None
+    for worker in list(getattr(group, "_workers", None) or []):
+        ray.kill(worker)
+    for pool in pools.resource_pool_dict.values():
+        for pg in list(pool.pgs or []):
+            remove_placement_group(pg)
 
 
 def write_artifacts(trainer, run_dir: str) -> dict:

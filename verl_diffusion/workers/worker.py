@@ -312,7 +312,8 @@ class DiffusionActorRolloutRefWorker(Worker):
 
         engine.load_extra_state_fn = load_extra
         return {"lora": bool(engine._is_lora), "reference": "adapter_disabled" if engine._is_lora else (
-            "frozen_copy" if self.ref is not None else "none"), "loss": self.step_loss.name}
+            "frozen_copy" if self.ref is not None else "none"), "loss": self.step_loss.name,
+            "architecture": self.adapter.architecture, "grid": rollout_cfg.grid}
 
     # ------------------------------------------------------------------ rollout
 
