@@ -9,8 +9,8 @@ only concatenates them (headings demoted one level) so the figures live in one p
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ORDER = ["estimator_variance", "loss_kernels", "rollout_overhead", "orchestration_overhead", "peak_memory",
-         "reward_throughput"]
+ORDER = ["estimator_variance", "loss_kernels", "rollout_overhead", "adapter_rollout_overhead", "orchestration_overhead",
+         "peak_memory", "reward_throughput", "memory_plan"]
 
 
 def main() -> None:

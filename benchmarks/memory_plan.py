@@ -70,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for the estimate")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H800/H200)")
+    ap.add_argument("--write", default=None, help="also write the table (and the command) to this markdown file")
     args = ap.parse_args()
     rows = []
     for recipe, (model, rank, img, txt, n, trained, cfg, mb, gpus) in RECIPES.items():
@@ -87,13 +88,19 @@ def main() -> None:
         img_s = args.mfu * args.peak_tflops * 1e12 / flops
         rows.append((recipe, model, params / 1e9, lora / 1e6, (te + vae) / 1e9, gpus, per_gpu, one_gpu, flops / 1e15,
                      img_s))
-    print(f"assumed: {args.mfu:.0%} MFU of {args.peak_tflops:.0f} dense bf16 TFLOPS per GPU\n")
-    print("| recipe | model | transformer params (B) | LoRA params (M) | text enc + VAE (B) | GPUs | est. GB/GPU "
-          "(FSDP2 over the node) | est. GB on 1 GPU (no offload) | PFLOP / image | est. images/s/GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.0f} | {r[4]:.2f} | {r[5]} | {r[6]:.1f} | {r[7]:.1f} | "
-              f"{r[8]:.2f} | {r[9]:.2f} |")
+    lines = [f"Estimates (no GPU): {args.mfu:.0%} MFU of {args.peak_tflops:.0f} dense bf16 TFLOPS per GPU; parameter "
+             "and LoRA counts exact for the configs in the script.", "",
+             "| recipe | model | transformer params (B) | LoRA params (M) | text enc + VAE (B) | GPUs | est. GB/GPU "
+             "(FSDP2 over the node) | est. GB on 1 GPU (no offload) | PFLOP / image | est. images/s/GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.0f} | {r[4]:.2f} | {r[5]} | {r[6]:.1f} | {r[7]:.1f} | "
+              f"{r[8]:.2f} | {r[9]:.2f} |" for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write(f"Command: `python benchmarks/memory_plan.py --mfu {args.mfu} --peak-tflops {args.peak_tflops:g} "
+                    f"--write {args.write}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 # one GPU (2 prompts × 4 images, 3 steps, validation at step 3). Model weights: set SD35_PATH, QWEN_IMAGE_PATH,
 # FLUX2_KLEIN_PATH, FLUX1_DEV_PATH to local diffusers folders to run the real models; unset, the tiny random model of
 # the architecture stands in (the code path, not the memory). Rewards that need weights (PickScore, HPSv3) are
-# replaced by JPEG compressibility; OCR stays (rapidocr on CPU). Extra hydra overrides: SMOKE_ARGS="k=v k=v".
+# replaced by JPEG compressibility on the packaged prompts; OCR stays (rapidocr on CPU) when ~/data/ocr exists.
+# Extra hydra overrides: SMOKE_ARGS="k=v k=v".
 # Run from the repository root.
 # Then the vllm-omni engine checks (docs/vllm_omni.md) when vllm-omni is installed
 # (pip install -e '.[vllm-omni]').
@@ -36,18 +37,19 @@ for recipe in "${RECIPES[@]}"; do
   else
     model_args=("actor_rollout_ref.model.path=null" "actor_rollout_ref.model.tiny={architecture: $arch, seed: 0}")
   fi
+  # OCR recipes keep their data and reward when ~/data/ocr exists (python data_process/ocr.py); otherwise, and for
+  # rewards that need weights, the packaged prompts and JPEG compressibility stand in.
+  tiny_data=("data.train_files=[pkg://verl_diffusion/data/tiny_train_prompts.txt]"
+             "data.val_files=[pkg://verl_diffusion/data/tiny_val_prompts.txt]"
+             "~reward.components" "~reward.options" "+reward.components={jpeg_compressibility: 1.0}" "reward.executor=sync")
   case "$recipe" in
-    *_pickscore_*|*_hpsv3_*)
-      reward_args=("~reward.components" "~reward.options" "+reward.components={jpeg_compressibility: 1.0}"
-                   "reward.executor=sync")
-      data_args=("data.train_files=[pkg://verl_diffusion/data/tiny_train_prompts.txt]"
-                 "data.val_files=[pkg://verl_diffusion/data/tiny_val_prompts.txt]") ;;
-    *) reward_args=(); data_args=() ;;
+    *_ocr_*) if [ -f "$HOME/data/ocr/train.parquet" ]; then data_args=(); else data_args=("${tiny_data[@]}"); fi ;;
+    *) data_args=("${tiny_data[@]}") ;;
   esac
   out="$ROOT/$recipe"
   echo "== $recipe (${model:-tiny $arch}) =="
   # shellcheck disable=SC2086
-  python -m verl_diffusion.main_flowgrpo --config-name "$recipe" "${model_args[@]}" "${reward_args[@]}" "${data_args[@]}" \
+  python -m verl_diffusion.main_flowgrpo --config-name "$recipe" "${model_args[@]}" "${data_args[@]}" \
     data.train_batch_size=2 actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=1 \
     actor_rollout_ref.rollout.micro_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
     trainer.n_gpus_per_node=1 trainer.total_training_steps=3 trainer.test_freq=3 trainer.val_before_train=false \

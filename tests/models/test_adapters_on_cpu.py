@@ -286,3 +286,55 @@ def test_cfg_formula(arch, adapter):
     torch.testing.assert_close(v, comb, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs negative_cond"):
         adapter.velocity(x, t, cond, guidance_scale=4.0)
+
+
+# ------------------------------------------------------------------------------------------------ Qwen-Image text
+
+def test_qwen_image_drops_the_34_template_tokens_and_masks_padding():
+    from verl_diffusion.models.qwen_image import QwenImageAdapter
+
+    pipe = TINY_BUILDERS["qwen_image"]()
+    adapter = QwenImageAdapter.from_pipeline(pipe)
+    tok = pipe.tokenizer
+    template = pipe.prompt_template_encode
+    assert pipe.prompt_template_encode_start_idx == 34
+    assert len(tok(template.split("{}")[0]).input_ids) == 34      # the tiny tokenizer splits the template as Qwen's
+    short, long = "a cat", 'a sign that says "hello world"'
+    cond = adapter.encode_prompt([short, long])
+    n_short = len(tok(template.format(short)).input_ids) - 34       # prompt + "<|im_end|>\n<|im_start|>assistant\n"
+    n_long = len(tok(template.format(long)).input_ids) - 34
+    assert cond.prompt_embeds.shape[1] == n_long
+    assert cond.prompt_mask.sum(1).tolist() == [n_short, n_long]
+
+
+def test_qwen_image_padding_never_changes_the_velocity():
+    from verl_diffusion.models.qwen_image import QwenImageAdapter
+
+    adapter = QwenImageAdapter.from_pipeline(TINY_BUILDERS["qwen_image"]())
+    x, t = _noise(adapter), torch.tensor([0.9, 0.5])
+    cond = adapter.encode_prompt(["a cat", 'a sign that says "hello world"'])
+    with torch.no_grad():
+        v = adapter.velocity(x, t, cond)
+        # Extra padding (another rank's longer prompts, or _pad_text before Ray) is trimmed: bitwise the same.
+        assert torch.equal(adapter.velocity(x, t, cond.pad_to(cond.prompt_embeds.shape[1] + 7)), v)
+        # A row alone (no padding at all) equals its row in the padded batch up to round-off.
+        alone = adapter.velocity(x[:1], t[:1], adapter.encode_prompt(["a cat"]))
+    torch.testing.assert_close(alone, v[:1], rtol=1e-4, atol=1e-5)
+    # Conditioning.cat pads rows of different lengths with mask 0.
+    both = Conditioning.cat([adapter.encode_prompt(["a cat"]), adapter.encode_prompt(['a sign that says "hi"'])])
+    assert both.prompt_mask[0].sum() < both.prompt_mask.shape[1] and bool(both.prompt_mask[1].all())
+
+
+def test_worker_pads_text_for_the_driver():
+    from verl_diffusion.workers.worker import _pad_text
+
+    emb, mask = torch.randn(2, 5, 3), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    out = {"prompt_embeds": emb, "prompt_mask": mask, "negative_prompt_embeds": emb[:, :2],
+           "negative_prompt_mask": mask[:, :2], "images": torch.zeros(2)}
+    _pad_text(out, 8)
+    assert out["prompt_embeds"].shape == (2, 8, 3) and out["negative_prompt_embeds"].shape == (2, 8, 3)
+    assert torch.equal(out["prompt_embeds"][:, :5], emb) and out["prompt_mask"][:, 5:].sum() == 0
+    assert torch.equal(Conditioning.from_dict(out).trimmed().prompt_embeds, emb)
+    fixed = {"prompt_embeds": emb}                   # no mask (SD3 / FLUX): untouched
+    _pad_text(fixed, 8)
+    assert fixed["prompt_embeds"] is emb
