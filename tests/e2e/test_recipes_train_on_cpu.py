@@ -118,8 +118,6 @@ def test_recipe_trains_two_steps_with_its_tiny_model(runs, name):
 
 
 def test_workers_ran_the_right_adapter_on_the_scheduler_grid(runs):
-    from verl_diffusion.models.tiny import TINY_BUILDERS  # noqa: F401  (import check only)
-
     for name, run in runs.items():
         if "error" in run:
             continue
