@@ -225,6 +225,25 @@ def scheduler_sigmas(scheduler, num_steps: int, **set_timesteps_kwargs) -> torch
     return sigmas
 
 
+def linspace_grid(scheduler, num_steps: int, *, mu: float, flow_sigmas: bool = True) -> torch.Tensor:
+    """The grid of the dynamic-shift pipelines (Qwen-Image, FLUX.1, FLUX.2): ``sigmas = linspace(1, 1/N, N)`` shifted
+    by the scheduler with ``mu``. ``flow_sigmas``: let a scheduler configured with ``use_flow_sigmas`` make its own
+    sigmas, as the FLUX pipelines do (Qwen-Image's pipeline does not check)."""
+    import numpy as np
+
+    own = flow_sigmas and scheduler.config.get("use_flow_sigmas", False)
+    sigmas = None if own else np.linspace(1.0, 1 / num_steps, num_steps)
+    return scheduler_sigmas(scheduler, num_steps, sigmas=sigmas, mu=mu)
+
+
+def shift_mu(scheduler_config, image_tokens: int, calculate_shift) -> float:
+    """``mu`` of resolution-dependent shifting: ``calculate_shift`` (the pipeline module's own) with the scheduler
+    config's base / max sequence lengths and shifts, the pipelines' defaults where the config has none."""
+    cfg = scheduler_config
+    return calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                           cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+
+
 class DiffusersAdapter:
     """What every ``FlowModelAdapter`` over a diffusers pipeline shares: loading, freezing, LoRA / full
     fine-tuning, the reference model. Subclasses add the architecture's primitives (``encode_prompt``,
@@ -299,6 +318,12 @@ class DiffusersAdapter:
     def lora_targets(self) -> Union[list[str], str]:
         targets = self.LORA_TARGETS
         return targets if isinstance(targets, str) else list(targets)
+
+    def _packed_latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """(C, H/f, W/f) for a model that packs 2×2 latent patches into tokens: sizes multiples of 2f."""
+        f = self.vae_scale_factor
+        self._check_size(height, width, 2 * f, f"VAE factor {f} × 2x2 packing")
+        return (self.latent_channels, height // f, width // f)
 
     def _check_size(self, height: int, width: int, multiple: int, what: str) -> None:
         if height % multiple or width % multiple:

@@ -28,8 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from verl_diffusion.models.base import (Conditioning, DiffusersAdapter, lora_target_regex, scheduler_sigmas,
-                                        to_uint8)
+from verl_diffusion.models.base import Conditioning, DiffusersAdapter, linspace_grid, lora_target_regex, to_uint8
 
 FLUX2_LORA_BLOCKS = {
     "transformer_blocks": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
@@ -79,14 +78,11 @@ class Flux2KleinAdapter(DiffusersAdapter):
 
     def sampling_grid(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """The pipeline's grid: linspace(1, 1/N, N) shifted with ``mu = compute_empirical_mu(tokens, N)``."""
-        import numpy as np
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
         _, h, w = self.latent_shape(height, width)
-        cfg = self.pipe.scheduler.config
-        sigmas = None if cfg.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
-        mu = compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)
-        return scheduler_sigmas(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
+        return linspace_grid(self.pipe.scheduler, num_steps, mu=compute_empirical_mu(image_seq_len=h * w,
+                                                                                    num_steps=num_steps))
 
     # ------------------------------------------------------------------ primitives
 

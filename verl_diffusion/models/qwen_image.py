@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from verl_diffusion.models.base import Conditioning, DiffusersAdapter, scheduler_sigmas, to_uint8
+from verl_diffusion.models.base import Conditioning, DiffusersAdapter, linspace_grid, shift_mu, to_uint8
 
 # Attention of both streams + the image and text MLPs of every block (peft suffixes; a test checks that they
 # cover every such Linear of the real module tree and nothing else).
@@ -64,22 +64,15 @@ class QwenImageAdapter(DiffusersAdapter):
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """(C, H/8, W/8); height and width must be multiples of 16 (VAE factor × 2×2 packing)."""
-        f = self.vae_scale_factor
-        self._check_size(height, width, 2 * f, f"VAE factor {f} × 2x2 packing")
-        return (self.latent_channels, height // f, width // f)
+        return self._packed_latent_shape(height, width)
 
     def sampling_grid(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """The pipeline's grid: linspace(1, 1/N, N) shifted with ``mu`` from the image token count."""
-        import numpy as np
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
         _, h, w = self.latent_shape(height, width)
-        cfg = self.pipe.scheduler.config
-        mu = calculate_shift((h // 2) * (w // 2), cfg.get("base_image_seq_len", 256),
-                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
-                             cfg.get("max_shift", 1.15))
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        return scheduler_sigmas(self.pipe.scheduler, num_steps, sigmas=sigmas, mu=mu)
+        mu = shift_mu(self.pipe.scheduler.config, (h // 2) * (w // 2), calculate_shift)
+        return linspace_grid(self.pipe.scheduler, num_steps, mu=mu, flow_sigmas=False)
 
     # ------------------------------------------------------------------ primitives
 
