@@ -26,7 +26,6 @@ from torch import nn
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-from verl_diffusion.algos.sde import make_grid
 from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, trajectory_coefficients
 from verl_diffusion.rollout.vllm_omni.protocol import SampleRequest, parse_extra_args, read_lora_dir
@@ -121,7 +120,8 @@ class AdapterRolloutPipeline(nn.Module):
                              f"image needs {shape}")
         bsz = x_init.shape[0]
         step_noise = {k: torch.stack([p.step_noise[j] for p in parsed]) for j, k in enumerate(spec.stochastic)}
-        sigmas_cpu = make_grid(cfg.num_steps, cfg.shift, dtype=torch.float32).unsqueeze(0).expand(bsz, -1).contiguous()
+        # The grid the diffusers rollout uses (rollout.grid: the model's scheduler sigmas or the SPEC formula).
+        sigmas_cpu = rollout.grid(cfg.num_steps).unsqueeze(0).expand(bsz, -1).contiguous()
         # Coefficients on the CPU, as the diffusers rollout and the replica compute them, then moved exactly.
         coefficients = [type(c)(c.c_x.to(device), c.c_v.to(device), c.std.to(device))
                         for c in trajectory_coefficients(cfg, sigmas_cpu, spec.stochastic)]
