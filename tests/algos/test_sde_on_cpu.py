@@ -305,3 +305,39 @@ def test_step_mean_is_at_least_fp32_for_shared_step_coefficients():
     torch.testing.assert_close(m_shared.double(), ref, atol=1e-6, rtol=0)
     out = sde.sde_step(x, v, shared, generator=torch.Generator().manual_seed(0))
     assert out.mean.dtype == torch.float32
+
+
+@pytest.mark.parametrize("t_next", [0.9, 0.8, 0.96, 0.7531])
+def test_python_float_times_go_straight_to_fp64(t_next):
+    """Issue 12 item 13: a Python-float t_sub (or t, t_next) is not rounded through float32 first. At t = 1 with
+    t_sub = t_next, 1 − t_sub = Δt, so the Flow-SDE std is a·√(Δt/Δt) = a (SPEC §1.3)."""
+    t64 = torch.tensor([1.0], dtype=torch.float64)
+    tn64 = torch.tensor([t_next], dtype=torch.float64)
+    mixed = sde.flow_sde_coefficients(t64, tn64, noise_level=0.7, t_sub=t_next)
+    tensor = sde.flow_sde_coefficients(t64, tn64, noise_level=0.7, t_sub=tn64)
+    assert mixed.std.dtype == torch.float64
+    assert torch.equal(mixed.std, tensor.std) and torch.equal(mixed.c_x, tensor.c_x)
+    assert abs(mixed.std.item() - 0.7) < 4e-16
+    # Every named step function with Python-float times equals its tensor path: fp64 math, then the
+    # coefficients in float32 (the dtype for Python-float times).
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    z = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    t, tn = 1.0, t_next
+    T, TN = torch.full((3,), t, dtype=torch.float64), torch.full((3,), tn, dtype=torch.float64)
+    cases = [
+        (sde.flow_sde_step, sde.flow_sde_coefficients, dict(noise_level=0.7, t_sub=t_next), dict(noise_level=0.7, t_sub=TN)),
+        (sde.cps_step, sde.cps_coefficients, dict(noise_level=0.5), dict(noise_level=0.5)),
+        (sde.dance_step, sde.dance_coefficients, dict(noise_level=0.3), dict(noise_level=0.3)),
+    ]
+    for step_fn, coef_fn, float_kw, tensor_kw in cases:
+        ref = coef_fn(T, TN, **tensor_kw)
+        ref32 = sde.StepCoefficients(*(c.to(torch.float32) for c in (ref.c_x, ref.c_v, ref.std)))
+        a = step_fn(x, v, t, tn, noise=z, **float_kw)
+        b = sde.sde_step(x, v, ref32, noise=z)
+        for field in ("std", "mean", "next_x", "log_prob"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (step_fn.__name__, field)
+    assert sde.flow_sde_step(x, v, 1.0, t_next, noise_level=0.7, t_sub=t_next, noise=z).std[0].item() == \
+        torch.tensor(0.7, dtype=torch.float32).item()
+    a = sde.ode_step(x, v, t, tn)
+    assert torch.equal(a.mean, x + v * torch.tensor(tn - t, dtype=torch.float64).to(torch.float32))

@@ -106,7 +106,9 @@ TensorLike = Union[torch.Tensor, float]
 
 
 def _f64(t: TensorLike) -> torch.Tensor:
-    return torch.as_tensor(t).to(torch.float64)
+    # Straight to float64: ``torch.as_tensor(0.9)`` would round a Python float through float32 first
+    # (the default dtype), and 1 − t_sub would then miss Δt (std 0.69999992 instead of 0.7 at t = 1).
+    return torch.as_tensor(t, dtype=torch.float64)
 
 
 def _out_dtype(t: TensorLike) -> torch.dtype:
