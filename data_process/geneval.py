@@ -71,8 +71,8 @@ def to_row(meta: dict, *, split: str, index: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(argv, description=__doc__.splitlines()[1], file_names=FILES, default_output="~/data/geneval",
-               read=read, to_row=to_row,
+    return run(argv, description=__doc__, file_names=FILES, default_output="~/data/geneval",
+               read=read, to_row=to_row, prompt_of=lambda meta: meta["prompt"],
                extra_args=lambda p: p.add_argument("--data-source", default="geneval", help="data_source column (default: %(default)s)"))
 
 

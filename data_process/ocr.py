@@ -39,8 +39,8 @@ def to_row(entry: tuple[str, str], *, split: str, index: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(argv, description=__doc__.splitlines()[1], file_names=FILES, default_output="~/data/ocr",
-               read=read, to_row=to_row,
+    return run(argv, description=__doc__, file_names=FILES, default_output="~/data/ocr",
+               read=read, to_row=to_row, prompt_of=lambda entry: entry[0],
                extra_args=lambda p: p.add_argument("--data-source", default="ocr", help="data_source column (default: %(default)s)"))
 
 

@@ -30,7 +30,7 @@ def to_row(text: str, *, split: str, index: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(argv, description=__doc__.splitlines()[1], file_names=FILES, default_output="~/data/pickscore",
+    return run(argv, description=__doc__, file_names=FILES, default_output="~/data/pickscore",
                read=read, to_row=to_row,
                extra_args=lambda p: p.add_argument("--data-source", default="pickscore", help="data_source column (default: %(default)s)"))
 

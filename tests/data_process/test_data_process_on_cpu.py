@@ -132,3 +132,78 @@ def test_published_prompt_files_convert_whole(script, args, counts, tmp_path):
         df = pd.read_parquet(tmp_path / f"{split}.parquet")
         assert len(df) == n
         assert df.extra_info.iloc[-1]["index"] == n - 1
+
+
+# -- issue 12 item 12: inputs that used to write a 0-row parquet, a file as --output, a stale split, --help, GenEval
+@pytest.mark.parametrize("content", ["", "\n  \n\t\n"], ids=["empty", "blank-only"])
+@pytest.mark.parametrize("script,name", [(ocr, "test.txt"), (pickscore, "test.txt"), (geneval, "test_metadata.jsonl")])
+def test_empty_or_blank_input_is_an_error(script, name, content, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_text(content)
+    assert script.main(["--test", str(path), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {path}: holds no entries (empty, or blank lines only)"
+    assert not (tmp_path / "o" / "test.parquet").exists()
+
+
+@pytest.mark.parametrize("flag", ["--train-size", "--test-size", "--max-samples"])
+def test_zero_sizes_are_an_error(flag, tmp_path, capsys):
+    args = ["--input", str(SAMPLES / "pickscore"), flag, "0", "--output", str(tmp_path / "o")]
+    assert pickscore.main(args) == 2
+    assert capsys.readouterr().err.strip() == f"error: {flag} 0: give -1 (all) or N >= 1 (0 would write an empty split)"
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_naming_a_file_is_one_line(tmp_path):
+    f = tmp_path / "out.parquet"
+    f.write_text("x")
+    for out in (f, f / "sub"):
+        proc = subprocess.run([sys.executable, str(DP / "pickscore.py"), "--test", str(SAMPLES / "pickscore" / "test.txt"),
+                               "--output", str(out)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "is a file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stale_split_in_old_output_dir_is_reported(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert pickscore.main(["--input", str(SAMPLES / "pickscore"), "--output", str(out)]) == 0
+    capsys.readouterr()
+    assert pickscore.main(["--train", str(SAMPLES / "pickscore" / "train.txt"), "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {out / 'test.parquet'} was not written by this run" in err and "--test" in err
+
+
+@pytest.mark.parametrize("script", ["ocr.py", "pickscore.py", "geneval.py"])
+def test_help_has_a_description(script):
+    proc = subprocess.run([sys.executable, str(DP / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    usage_end = proc.stdout.index("\n\n")
+    description = proc.stdout[usage_end:].strip().splitlines()[0]
+    assert "-> verl parquet" in description
+
+
+def test_geneval_holdout_splits_by_unique_prompt(tmp_path, capsys):
+    base = [json.loads(line) for line in (SAMPLES / "geneval" / "train_metadata.jsonl").read_text().splitlines()]
+    rows = [m for m in base for _ in range(4)]  # the published metadata repeats each prompt 4x
+    src = tmp_path / "train_metadata.jsonl"
+    src.write_text("".join(json.dumps(m) + "\n" for m in rows))
+    out = tmp_path / "o"
+    assert geneval.main(["--train", str(src), "--test-size", "2", "--seed", "1", "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    tr, te = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "test.parquet")
+    train_prompts = set(tr.extra_info.map(lambda e: e["prompt_text"]))
+    test_prompts = set(te.extra_info.map(lambda e: e["prompt_text"]))
+    n_unique = len({m["prompt"] for m in base})
+    assert len(test_prompts) == 2 and train_prompts.isdisjoint(test_prompts)
+    assert (len(tr), len(te)) == (4 * (n_unique - 2), 8)
+    assert f"note: train: {len(tr)} rows hold {n_unique - 2} unique prompts" in err
+
+
+def test_prompts_shared_by_train_and_test_files_are_reported(tmp_path, capsys):
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("a cat\na dog\na cat\n")
+    test.write_text("a dog\na bird\n")
+    assert pickscore.main(["--input", str(tmp_path), "--output", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "note: train: 3 rows hold 2 unique prompts (1 rows repeat a prompt)" in err
+    assert "warning: 1 test prompt(s) also appear in train, e.g. 'a dog'" in err
