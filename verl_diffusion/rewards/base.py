@@ -13,6 +13,9 @@ exceptions: the caller does that too.
 from __future__ import annotations
 
 import io
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,6 +62,9 @@ class RewardOutput:
     details: dict[str, np.ndarray] = field(default_factory=dict)
     # Why some samples are NaN (e.g. a failed server request); MultiReward logs each cause once.
     errors: list[str] = field(default_factory=list)
+    # True when some samples are NaN because the step's time limit (``deadline``) ran out: failures of kind
+    # "timeout" rather than "error".
+    timed_out: bool = False
 
 
 class Reward:
@@ -69,6 +75,9 @@ class Reward:
     """
 
     name: str = "reward"
+    # time.monotonic() by which this call must return (MultiReward sets it from ``reward.timeout``; None: no
+    # limit). Rewards that wait on a server fit their per-request timeouts and retries inside it (time_left()).
+    deadline: float | None = None
 
     def __init__(self, **options: Any):
         if options:
@@ -77,6 +86,14 @@ class Reward:
 
     def setup(self) -> None:
         """Load heavy state (models, engines). Called once before the first ``score``."""
+
+    def time_left(self) -> float | None:
+        """Seconds until ``deadline`` (may be <= 0), or None when there is no limit."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def preflight(self, timeout: float) -> None:
+        """Check, before the first step, that what this reward needs outside the process answers (a remote
+        server); raise RuntimeError with one line naming it. Local rewards have nothing to check."""
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict]) -> RewardOutput:
         raise NotImplementedError
@@ -169,3 +186,18 @@ def check_lengths(images: Sequence, prompts: Sequence, metadata: Sequence) -> No
             f"images, prompts and metadata must have the same length; got {len(images)}, {len(prompts)}, "
             f"{len(metadata)}"
         )
+
+
+def probe_http(url: str, timeout: float) -> None:
+    """GET ``url`` and accept any HTTP answer (a 404 or 405 still proves a live server); raise RuntimeError
+    with one line naming the URL when nothing answers within ``timeout`` seconds."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout):
+            return
+    except urllib.error.HTTPError:
+        return
+    except (TimeoutError, OSError, ValueError) as e:  # URLError is an OSError; ValueError: a malformed URL
+        reason = getattr(e, "reason", None) or e
+        if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+            reason = f"no answer within {timeout:g} s"
+        raise RuntimeError(f"{url} does not answer ({reason})") from None

@@ -10,7 +10,8 @@ details, so validation logs ``reward/geneval/strict_accuracy/<tag>``.
 
 Failure handling: a request that times out, gets a 5xx or loses its connection is retried
 ``max_retries`` times with exponential backoff (``backoff`` · 2^attempt, at most ``max_backoff`` s); a 4xx
-is not retried. A batch that still fails gives NaN for its samples (MultiReward applies the penalty and
+is not retried. Requests and retries stay inside the step's reward time (``reward.timeout``, read from
+``deadline``): when it runs out the remaining samples are NaN with ``timed_out`` set. A batch that still fails gives NaN for its samples (MultiReward applies the penalty and
 counts them, logging the cause from ``RewardOutput.errors``) and the other batches keep their scores.
 Per-tag strict accuracy is grouped by each row's own ``tag``.
 """
@@ -28,13 +29,24 @@ from typing import Any
 import numpy as np
 
 from verl_diffusion.rewards._protocol import dumps, safe_loads
-from verl_diffusion.rewards.base import Reward, RewardOutput, encode_jpeg, register_reward, row_ground_truth
+from verl_diffusion.rewards.base import (
+    Reward,
+    RewardOutput,
+    encode_jpeg,
+    probe_http,
+    register_reward,
+    row_ground_truth,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class GenEvalServerError(RuntimeError):
-    """The server did not answer usefully after all retries."""
+    """The server did not answer usefully after all retries (``timed_out``: the step's time limit ran out)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def geneval_metadata(meta: Mapping[str, Any] | None) -> dict | None:
@@ -85,14 +97,23 @@ class GenEvalReward(Reward):
         body = dumps(payload)
         n = len(payload["images"])
         last = "no attempt"
+        attempt = 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
+                pause = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
+                left = self.time_left()
+                time.sleep(pause if left is None else max(0.0, min(pause, left)))
+            # Each attempt fits in what is left of the step's reward time (reward.timeout), retries included.
+            left = self.time_left()
+            if left is not None and left <= 0:
+                raise GenEvalServerError(f"reward.timeout ran out talking to {self.url} ({last}; {attempt} "
+                                         "attempt(s) made)", timed_out=True)
             req = urllib.request.Request(
                 self.url, data=body, method="POST", headers={"Content-Type": "application/octet-stream"}
             )
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                wait = self.timeout if left is None else min(self.timeout, left)
+                with urllib.request.urlopen(req, timeout=wait) as resp:
                     reply = safe_loads(resp.read())
                 return self._check_reply(reply, n)
             except urllib.error.HTTPError as e:
@@ -107,7 +128,8 @@ class GenEvalReward(Reward):
             except Exception as e:  # unpickling errors and anything unexpected
                 last = f"{type(e).__name__} from {self.url}: {e}"
             logger.debug("geneval attempt %d/%d failed: %s", attempt + 1, self.max_retries + 1, last)
-        raise GenEvalServerError(f"{last} (after {self.max_retries + 1} attempts)")
+        left = self.time_left()
+        raise GenEvalServerError(f"{last} (after {attempt + 1} attempts)", timed_out=left is not None and left <= 0)
 
     @staticmethod
     def _check_reply(reply: Any, n: int) -> dict:
@@ -123,6 +145,7 @@ class GenEvalReward(Reward):
         n = len(images)
         metas = [geneval_metadata(m) for m in metadata]
         errors: list[str] = []  # local: threads may score chunks of one batch concurrently
+        timed_out = False
         out = {k: np.full(n, np.nan) for k in ("scores", "rewards", "strict_rewards")}
         per_tag: dict[str, np.ndarray] = {}
         valid = [i for i in range(n) if metas[i] is not None]
@@ -142,6 +165,7 @@ class GenEvalReward(Reward):
                 reply = self.post(payload)
             except GenEvalServerError as e:
                 errors.append(str(e))
+                timed_out = timed_out or e.timed_out
                 continue
             for key in out:
                 out[key][idx] = np.asarray(reply[key], dtype=np.float64)
@@ -151,4 +175,9 @@ class GenEvalReward(Reward):
         details = {"accuracy": out["rewards"], "strict_accuracy": out["strict_rewards"]}
         details.update({f"strict_accuracy/{tag}": v for tag, v in per_tag.items()})
         self.last_errors = errors
-        return RewardOutput(out[self.score_key], details, errors=errors)
+        return RewardOutput(out[self.score_key], details, errors=errors, timed_out=timed_out)
+
+    def preflight(self, timeout: float) -> None:
+        """Any HTTP answer from ``url`` (the protocol's POST endpoint answers a GET with 4xx/5xx) within
+        ``timeout`` seconds; raises RuntimeError naming the URL otherwise."""
+        probe_http(self.url, timeout)

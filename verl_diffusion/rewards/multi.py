@@ -13,6 +13,12 @@
 Failure never raises: an exception, a timeout or a non-finite score becomes ``penalty`` for the samples
 concerned, is counted in ``reward/failures/<name>`` and is logged once per (reward, kind of cause).
 
+Time limit: ``timeout`` (``reward.timeout``) bounds the seconds one call (one step's rewards) may take, in
+every executor; what is unscored when it runs out gets the penalty, counts as a failure of kind ``timeout`` and
+is reported by a warning line on every call that hits it. Remote rewards read ``Reward.deadline`` and fit their
+per-request timeouts and retries inside it. With a limit, ``sync`` scores in a helper thread it can stop
+waiting for.
+
 Executors: ``sync`` scores in the calling thread; ``thread`` and ``process`` split each reward's batch
 into up to ``max_workers`` chunks and score them concurrently (threads share loaded models; each process
 loads its own once, so use ``process`` for CPU-bound Python rewards such as OCR).
@@ -26,6 +32,7 @@ import logging
 import math
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,8 +68,36 @@ def _worker_init(rewards: dict[str, Reward], threads: int) -> None:
     _WORKER_REWARDS.update(rewards)
 
 
-def _worker_score(name: str, images: list[np.ndarray], prompts: list[str], metadata: list[dict]) -> RewardOutput:
-    return _WORKER_REWARDS[name](images, prompts, metadata)
+def _worker_score(name: str, deadline: float | None, images: list[np.ndarray], prompts: list[str],
+                  metadata: list[dict]) -> RewardOutput:
+    reward = _WORKER_REWARDS[name]
+    reward.deadline = deadline  # time.monotonic() is one clock for every process of the host
+    return reward(images, prompts, metadata)
+
+
+def _call_before(deadline: float, reward: Reward, *args: Any) -> RewardOutput:
+    """``reward(*args)`` in a helper thread, waiting at most until ``deadline``: the sync executor's bound.
+    A call still running then raises TimeoutError here and is left to finish in its (daemon) thread; its
+    result is dropped."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no time left")
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = reward(*args)
+        except BaseException as e:  # handed to the caller below
+            box["err"] = e
+
+    worker = threading.Thread(target=target, name=f"reward-{reward.name}", daemon=True)
+    worker.start()
+    worker.join(left)
+    if worker.is_alive():
+        raise TimeoutError("still running")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _plain(x: Any) -> Any:
@@ -100,6 +135,9 @@ class MultiReward:
             self.penalty = {k: float(penalty) for k in self.rewards}
         self.executor = executor
         self.max_workers = int(max_workers or min(4, os.cpu_count() or 1))
+        if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"reward timeout={timeout!r} must be a positive number of seconds per step, or null "
+                             "for no limit")
         self.timeout = timeout
         self.failure_totals = {k: 0 for k in self.rewards}
         self._logged: set[tuple[str, str]] = set()
@@ -163,7 +201,11 @@ class MultiReward:
         check_lengths(imgs, prompts, metadata)
         n = len(imgs)
         pool = self._get_pool()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        # reward.timeout bounds the whole call (one step's rewards), in every executor. Remote rewards read the
+        # deadline and fit their per-request timeouts and retries inside it.
+        deadline = None if self.timeout is None else time.monotonic() + float(self.timeout)
+        for reward in self.rewards.values():
+            reward.deadline = deadline
 
         # Submit every chunk of every reward first so they overlap, then collect. A job is None (score
         # inline, sync), an exception raised while preparing, or a Future.
@@ -185,17 +227,20 @@ class MultiReward:
                 if self.executor == "thread":
                     fut = pool.submit(reward, *args)
                 else:
-                    fut = pool.submit(_worker_score, name, *args)
+                    fut = pool.submit(_worker_score, name, deadline, *args)
                 pending[name].append((sl, fut))
 
         components, details, failures, metrics = {}, {}, {}, {}
+        timed_out: dict[str, int] = {}
         for name, reward in self.rewards.items():
             values = np.full(n, np.nan)
             dets: dict[str, np.ndarray] = {}
             causes: list[tuple[str, str]] = []
             for sl, job in pending[name]:
                 try:
-                    if job is None:
+                    if job is None and deadline is not None:
+                        out = _call_before(deadline, reward, imgs[sl], prompts[sl], metadata[sl])
+                    elif job is None:
                         out = reward(imgs[sl], prompts[sl], metadata[sl])
                     elif isinstance(job, BaseException):
                         raise job
@@ -205,9 +250,13 @@ class MultiReward:
                     values[sl] = out.scores
                     for k, v in out.details.items():
                         dets.setdefault(k, np.full(n, np.nan))[sl] = np.asarray(v, dtype=np.float64)
-                    causes += [("error", e) for e in out.errors]
+                    kind = "timeout" if out.timed_out else "error"
+                    causes += [(kind, e) for e in out.errors]
+                    if out.timed_out:
+                        timed_out[name] = timed_out.get(name, 0) + int((~np.isfinite(values[sl])).sum())
                 except (cf.TimeoutError, TimeoutError):
-                    causes.append(("timeout", f"no result within timeout={self.timeout}s"))
+                    causes.append(("timeout", f"no result within reward.timeout={self.timeout}s"))
+                    timed_out[name] = timed_out.get(name, 0) + (sl.stop - sl.start)
                 except Exception as e:  # never let a reward kill training
                     if isinstance(e, BrokenProcessPool):
                         self._pool = None  # a worker died; the next call starts a fresh pool
@@ -232,6 +281,11 @@ class MultiReward:
                 if np.isfinite(v).any():
                     metrics[f"reward/{name}/{k}"] = float(np.nanmean(v))
 
+        if timed_out:
+            logger.warning(
+                "reward time limit hit: reward.timeout=%ss per step ran out with %s unscored; those samples get the "
+                "penalty and count as failures of kind timeout (raise reward.timeout, or fix the slow reward)",
+                self.timeout, ", ".join(f"{k}: {v} sample(s)" for k, v in timed_out.items()))
         scores = torch.zeros(n, dtype=torch.float32)
         for name, comp in components.items():
             scores += self.weights[name] * comp

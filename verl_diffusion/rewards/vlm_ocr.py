@@ -28,7 +28,14 @@ from typing import Optional
 
 import numpy as np
 
-from verl_diffusion.rewards.base import Reward, RewardOutput, encode_jpeg, register_reward, row_ground_truth
+from verl_diffusion.rewards.base import (
+    Reward,
+    RewardOutput,
+    encode_jpeg,
+    probe_http,
+    register_reward,
+    row_ground_truth,
+)
 from verl_diffusion.rewards.ocr import extract_target, normalize_text, ocr_score
 
 JUDGE_INSTRUCTION = "Please output only the text content from the image without any additional descriptions or formatting."
@@ -64,12 +71,20 @@ class VLMOCRReward(Reward):
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         last = "no attempt"
+        attempt = 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                pause, left = self.backoff * 2 ** (attempt - 1), self.time_left()
+                time.sleep(pause if left is None else max(0.0, min(pause, left)))
+            # Each attempt fits in what is left of the step's reward time (reward.timeout), retries included.
+            left = self.time_left()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"vlm_ocr: reward.timeout ran out talking to {self.url} ({last}; {attempt} "
+                                   "attempt(s) made)")
             req = urllib.request.Request(f"{self.url}/chat/completions", data=body, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                wait = self.timeout if left is None else min(self.timeout, left)
+                with urllib.request.urlopen(req, timeout=wait) as resp:
                     reply = json.loads(resp.read())
                 text = reply["choices"][0]["message"]["content"]
                 if not isinstance(text, str):
@@ -83,11 +98,15 @@ class VLMOCRReward(Reward):
                 last = f"{type(e).__name__} talking to {self.url}: {e}"
             except (ValueError, KeyError, IndexError, TypeError) as e:
                 last = f"bad reply from {self.url}: {type(e).__name__}: {e}"
+        left = self.time_left()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"vlm_ocr: {last} (after {attempt + 1} attempts; reward.timeout ran out)")
         raise RuntimeError(f"vlm_ocr: {last} (after {attempt + 1} attempts)")
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict]) -> RewardOutput:
         scores = np.full(len(images), np.nan)
         errors: list[str] = []
+        timed_out = False
         targets = []
         for prompt, meta in zip(prompts, metadata):
             target = row_ground_truth(meta)
@@ -105,4 +124,10 @@ class VLMOCRReward(Reward):
                     scores[i] = ocr_score(fut.result(), targets[i])
                 except Exception as e:   # one image's failure: NaN, counted and penalised by MultiReward
                     errors.append(str(e))
-        return RewardOutput(scores, errors=errors)
+                    timed_out = timed_out or isinstance(e, TimeoutError)
+        return RewardOutput(scores, errors=errors, timed_out=timed_out)
+
+    def preflight(self, timeout: float) -> None:
+        """Any HTTP answer from ``{url}/models`` (the OpenAI-compatible model list) within ``timeout`` seconds;
+        raises RuntimeError naming the URL otherwise."""
+        probe_http(f"{self.url}/models", timeout)
