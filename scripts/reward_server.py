@@ -7,7 +7,8 @@
 --scorer is ``module:attribute``: a callable ``scorer(images, meta_datas, only_strict)`` returning
 ``(scores, rewards, strict_rewards, group_rewards, group_strict_rewards)``, or a class (or factory) that
 builds one from --scorer-kwargs. Point training at it with
-``reward.reward_kwargs.options.geneval.url=http://HOST:PORT``. No GPU is needed for the built-in scorer.
+``reward.options.geneval.url=http://HOST:PORT`` (``+reward.options.geneval.url=...`` when the recipe lists no
+geneval options), or set GENEVAL_REWARD_URL for the geneval recipe. No GPU is needed for the built-in scorer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def load_scorer(spec: str, kwargs: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s; 0.0.0.0 to serve a cluster)")
     p.add_argument("--port", type=int, default=18085, help="port (default: %(default)s)")
     p.add_argument("--scorer", default="verl_diffusion.rewards.geneval_server:ColorBlobScorer",

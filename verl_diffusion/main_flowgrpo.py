@@ -84,17 +84,33 @@ def validate_config(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.model.architecture={arr.model.get('architecture')!r} wraps a "
                           f"{adapter_cls.architecture}, but model.path holds a {found}; drop the architecture key "
                           "(it is read from model_index.json) or point model.path at a matching model")
+    from verl_diffusion import config_checks
+
+    try:
+        config_checks.check_optimizer_and_steps(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_rows = {}
     for field in ("train_files", "val_files"):
         files = cfg.data.get(field, None)
         if not files:
             raise ConfigError(f"data.{field} is empty: give prompt files (.parquet/.jsonl/.txt)")
+        n_rows[field] = 0
         for f in files:
             try:
-                read_rows(resolve_path(f), prompt_key=cfg.data.get("prompt_key", "prompt"))
+                n_rows[field] += len(read_rows(resolve_path(f), prompt_key=cfg.data.get("prompt_key", "prompt")))
             except (FileNotFoundError, ValueError) as e:
                 raise ConfigError(f"data.{field}: {e}") from None
+    try:
+        config_checks.check_prompt_count(cfg, n_rows["train_files"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not cfg.reward.get("components"):
         raise ConfigError("reward.components is empty: give {name: weight}, e.g. reward.components={ocr: 1.0}")
+    try:
+        config_checks.check_reward_section(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         from verl_diffusion.algos.windows import window_steps
         from verl_diffusion.workers.worker import build_rollout_config
@@ -216,10 +232,10 @@ def build_reward_fn(cfg):
 
     from verl_diffusion.rewards import build_reward
 
+    from verl_diffusion.config_checks import options_in_use
+
     r = cfg.reward
-    opts = r.get("options", None)
-    return build_reward(OmegaConf.to_container(r.components, resolve=True),
-                        options=OmegaConf.to_container(opts, resolve=True) if opts is not None else {},
+    return build_reward(OmegaConf.to_container(r.components, resolve=True), options=options_in_use(cfg),
                         penalty=float(r.get("penalty", 0.0)), executor=str(r.get("executor", "sync")),
                         max_workers=r.get("max_workers", None), timeout=r.get("timeout", None))
 
@@ -233,6 +249,12 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         reward_fn = build_reward_fn(cfg)
     except ValueError as e:
         raise ConfigError(f"reward: {e}") from None
+    try:  # remote rewards answer before the first step (one line naming the URL otherwise)
+        from verl_diffusion.config_checks import preflight_remote_rewards
+
+        preflight_remote_rewards(reward_fn, cfg.reward.get("preflight_timeout", None))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     import ray
     from omegaconf import OmegaConf, open_dict
@@ -348,6 +370,9 @@ def main() -> None:
         print(f"platform error: {e}", file=sys.stderr)
         sys.exit(1)
     add_search_path(sys.argv)
+    from verl_diffusion.config_checks import replace_components_override
+
+    replace_components_override(sys.argv)
     _hydra_main()
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -149,6 +151,17 @@ def _load_dp(name: str):
     return mod
 
 
+def _numbered(line: str, k: int) -> str:
+    """The k-th distinct copy of a sample line (a prompt per line, or GenEval JSON whose prompt gets the number)."""
+    if not line.strip() or k == 0:
+        return line
+    if line.lstrip().startswith("{"):
+        meta = json.loads(line)
+        meta["prompt"] = f"{meta['prompt']} ({k})"
+        return json.dumps(meta)
+    return f"{line} ({k})"
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny saved pipeline per architecture and the three datasets converted from data_process/samples by
@@ -159,7 +172,17 @@ def assets(tmp_path_factory):
     data = {}
     for ds in DATASETS:
         out = root / ds
-        assert _load_dp(ds).main(["--input", str(DP / "samples" / ds), "--output", str(out)]) in (0, None)
+        # validate_config refuses train_batch_size > training prompts: repeat the sample prompts, numbered, to 72
+        # distinct ones (the recipes' largest train_batch_size is 64).
+        src = root / f"{ds}_in"
+        src.mkdir()
+        for name in os.listdir(DP / "samples" / ds):
+            lines = (DP / "samples" / ds / name).read_text().splitlines()
+            if name.startswith("train"):
+                lines = [line for line in lines if line.strip()]
+                lines = [_numbered(line, k) for k in range(-(-72 // len(lines))) for line in lines]
+            (src / name).write_text("\n".join(lines) + "\n")
+        assert _load_dp(ds).main(["--input", str(src), "--output", str(out)]) in (0, None)
         data[ds] = out
     models = {arch: str(save_tiny(arch, root / f"tiny_{arch}")) for arch in ("sd3", "qwen_image", "flux", "flux2_klein")}
     return {"models": models, "data": data, "root": root}

@@ -23,7 +23,7 @@ Config (``reward.reward_kwargs`` in verl's config; keyword arguments override it
         penalty: 0.0
         executor: sync                        # sync | thread | process
         max_workers: 4
-        timeout: null                         # seconds per call (thread / process)
+        timeout: null                         # seconds per call in all, every executor (null: no limit)
 
 Nothing here registers at import; ``register_reward_managers()`` does, called by verl_diffusion.registry.
 """
