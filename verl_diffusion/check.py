@@ -12,6 +12,12 @@ import traceback
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # as main_flowgrpo does: on a CPU host choose the cpu platform before verl is imported (no fallback lines)
+        from verl_diffusion.main_flowgrpo import select_platform
+
+        select_platform()
+    except RuntimeError as e:  # a GPU host whose driver torch cannot use: check the plugin anyway, say why
+        print(f"verl_diffusion: {e}", file=sys.stderr)
     try:
         from importlib.metadata import entry_points
 

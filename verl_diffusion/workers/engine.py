@@ -90,6 +90,16 @@ class DiffusionModelConfig(BaseConfig):
         return None
 
 
+def load_transformer(path: str, subfolder: str, dtype: torch.dtype):
+    """The pipeline's transformer in ``dtype``, every parameter included."""
+    module = transformer_class(path, subfolder).from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
+    # from_pretrained(torch_dtype=) already casts; a blanket .to(dtype) only when something still differs, since
+    # diffusers warns on every .to(dtype) call ("modules that should be kept in float32: []"), even an empty list.
+    if any(p.dtype != dtype for p in module.parameters()):
+        module.to(dtype)
+    return module
+
+
 def transformer_class(path: str, subfolder: str = "transformer"):
     """The diffusers model class named in ``<path>/<subfolder>/config.json`` (``_class_name``)."""
     import diffusers
@@ -231,10 +241,7 @@ class DiffusersFSDPEngine(FSDPEngine):
 
         dtype = self.engine_config.model_dtype or "fp32"
         dtype = PrecisionType.to_dtype(dtype)
-        cls = transformer_class(self.model_config.local_path, self.model_config.transformer_subfolder)
-        module = cls.from_pretrained(self.model_config.local_path, subfolder=self.model_config.transformer_subfolder,
-                                     torch_dtype=dtype)
-        module.to(dtype)
+        module = load_transformer(self.model_config.local_path, self.model_config.transformer_subfolder, dtype)
         if self.model_config.enable_gradient_checkpointing and hasattr(module, "enable_gradient_checkpointing"):
             module.enable_gradient_checkpointing()
         return module

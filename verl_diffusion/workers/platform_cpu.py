@@ -16,6 +16,7 @@ The choices that matter (each one measured on verl 0.9.1):
 
 from __future__ import annotations
 
+import logging
 import types
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -197,7 +198,50 @@ def register_cpu_platform() -> type:
     cls = _platform_class()
     PlatformRegistry.register(platform=PLATFORM_NAME)(cls)
     _REGISTERED_CLS = cls
+    explain_platform_fallback()
     return cls
+
+
+class _CpuHostPlatformFilter(logging.Filter):
+    """On a host with no accelerator and VERL_PLATFORM unset, verl's platform detection warns "No supported
+    accelerator detected ... Falling back to 'nvidia'" and then "Platform 'nvidia' (PlatformCUDA) is registered
+    but not available". Say instead what it means and what to do; drop the second line, which repeats it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("No supported accelerator detected"):
+            record.msg = ("verl found no GPU/NPU and VERL_PLATFORM is unset, so it assumes 'nvidia'. On a CPU host "
+                          "set VERL_PLATFORM=cpu (python -m verl_diffusion.main_flowgrpo sets it for you).")
+            record.args = ()
+            return True
+        return not msg.startswith("Platform '%s' (%s) is registered but not available")
+
+
+def explain_platform_fallback() -> None:
+    """Install :class:`_CpuHostPlatformFilter` on verl's platform-manager logger, only where there is no
+    accelerator and no sign of a GPU host (where those lines would report a real driver problem)."""
+    import glob
+    import shutil
+
+    gpu_host = bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/davinci[0-9]*") or shutil.which("nvidia-smi"))
+    if accelerator_present() or gpu_host:
+        return
+    log = logging.getLogger("verl.plugin.platform.platform_manager")
+    if not any(isinstance(f, _CpuHostPlatformFilter) for f in log.filters):
+        log.addFilter(_CpuHostPlatformFilter())
+
+
+def skip_gpu_numa_affinity() -> None:
+    """On the cpu platform, make verl's ``set_numa_affinity`` (called by every TrainingWorker) a no-op: it pins
+    the process to the CPUs near its GPU through libnuma + pynvml, and on a CPU host only prints "Failed to set
+    NUMA affinity: libnuma.so: cannot open shared object file"."""
+    from verl.utils.device import get_device_name
+
+    if get_device_name() != "cpu":
+        return
+    import verl.workers.engine_workers as engine_workers
+
+    engine_workers.set_numa_affinity = lambda: None
 
 
 def accelerator_present() -> bool:

@@ -220,6 +220,7 @@ class DiffusionActorRolloutRefWorker(Worker):
 
         from verl_diffusion.models.base import Conditioning
         from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout
+        from verl_diffusion.workers.platform_cpu import skip_gpu_numa_affinity
 
         torch.manual_seed(int(self.config.actor.fsdp_config.get("seed", 42)))
         actor_cfg = self.config.actor
@@ -227,6 +228,7 @@ class DiffusionActorRolloutRefWorker(Worker):
             actor_cfg.policy_loss.loss_mode, loss_knobs_for(self.config),
             log_prob_convention=str(self.config.rollout.get("sde", {}).get("log_prob_convention", "exact")))
 
+        skip_gpu_numa_affinity()  # CPU platform: no GPU to pin CPUs to (and no libnuma line per worker)
         # 1. actor: verl's TrainingWorker around our engine (model_type diffusion_model).
         self.actor = TrainingWorker(config=self._training_worker_config(self._model_config(lora=True),
                                                                         forward_only=False))

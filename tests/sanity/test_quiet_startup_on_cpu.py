@@ -1,0 +1,77 @@
+"""A new user's first run prints no alarming line that is not a problem (issue 12 item 14): verl's platform
+fallback on a CPU host, libnuma affinity failures, diffusers' "kept in float32: []", transformers' torchvision
+notices, setuptools' deprecated license table."""
+
+import logging
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_HOST = not torch.cuda.is_available() and not os.path.exists("/dev/nvidia0")
+
+
+@pytest.mark.skipif(not CPU_HOST, reason="the fallback explanation is for hosts without an accelerator")
+def test_cpu_host_import_explains_the_platform_fallback_and_drops_torchvision_notices():
+    env = dict(os.environ)
+    env.pop("VERL_PLATFORM", None)
+    code = ("import verl\nfrom verl.utils.device import get_device_name\nget_device_name()\n"
+            "from transformers import CLIPImageProcessor, SiglipImageProcessor\n"
+            "import diffusers\ndiffusers.StableDiffusion3Pipeline\nprint('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    err = res.stderr
+    assert "Falling back to 'nvidia'" not in err and "is registered but not available" not in err, err
+    assert err.count("verl found no GPU/NPU and VERL_PLATFORM is unset") == 1, err
+    assert "set VERL_PLATFORM=cpu" in err
+    assert "requires torchvision" not in err, err
+
+
+@pytest.mark.skipif(not CPU_HOST, reason="on a GPU host the check uses the GPU platform")
+def test_check_command_selects_cpu_first_and_prints_no_fallback():
+    env = dict(os.environ)
+    env.pop("VERL_PLATFORM", None)
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.check"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "  platform:cpu" in res.stdout
+    out = res.stdout + res.stderr
+    assert "Falling back" not in out and "no GPU/NPU" not in out and "registered but not available" not in out, out
+
+
+def test_numa_affinity_is_skipped_on_the_cpu_platform(capsys, monkeypatch):
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    import verl.workers.engine_workers as engine_workers
+    from verl.utils.device import get_device_name
+
+    from verl_diffusion.workers.platform_cpu import skip_gpu_numa_affinity
+
+    if get_device_name() != "cpu":
+        pytest.skip("verl's platform in this process is not cpu")
+    monkeypatch.setattr(engine_workers, "set_numa_affinity", engine_workers.set_numa_affinity)  # restored after
+    skip_gpu_numa_affinity()
+    engine_workers.set_numa_affinity()
+    assert "NUMA" not in capsys.readouterr().out
+
+
+def test_transformer_loads_in_its_dtype_without_the_fp32_modules_warning(tmp_path, caplog):
+    from verl_diffusion.models.tiny import save_tiny_sd3
+    from verl_diffusion.workers.engine import load_transformer
+
+    path = str(save_tiny_sd3(tmp_path / "tiny"))
+    for dtype in (torch.float32, torch.bfloat16):
+        with caplog.at_level(logging.WARNING):
+            module = load_transformer(path, "transformer", dtype)
+        assert {p.dtype for p in module.parameters()} == {dtype}
+    assert not [r for r in caplog.records if "should be kept in float32" in r.getMessage()]
+
+
+def test_pyproject_license_is_an_spdx_string():
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert any(r.replace(" ", "").startswith("setuptools>=77") for r in meta["build-system"]["requires"])

@@ -1,0 +1,31 @@
+"""Targeted filters for third-party log lines that look alarming but report nothing wrong here (issue 12 item 14).
+
+Each filter drops one known message on one named logger; nothing is silenced globally. Installed from
+``verl_diffusion.plugin`` (every process, driver and Ray workers).
+"""
+
+from __future__ import annotations
+
+import logging
+
+# transformers 5 warns once per class when a pipeline module imports an image processor by its old name without
+# torchvision (SD3 imports SiglipImageProcessor, other diffusers pipelines CLIPImageProcessor) and falls back to the
+# PIL processor. Our pipelines never use those processors, and the PIL backend is the one transformers 4 used.
+TORCHVISION_FALLBACK = "requires torchvision (not installed); falling back to"
+TRANSFORMERS_IMPORT_LOGGER = "transformers.utils.import_utils"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, fragment: str):
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in str(record.msg)
+
+
+def install_notice_filters() -> None:
+    """Idempotent."""
+    log = logging.getLogger(TRANSFORMERS_IMPORT_LOGGER)
+    if not any(isinstance(f, _DropMessage) and f.fragment == TORCHVISION_FALLBACK for f in log.filters):
+        log.addFilter(_DropMessage(TORCHVISION_FALLBACK))
