@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from verl import DataProto
 
+from verl_diffusion.rewards import build_reward
 from verl_diffusion.rewards.manager import DiffusionRewardManager, prompt_text, register_reward_managers
 
 
@@ -74,3 +75,15 @@ def test_registered_and_loaded_by_verl():
     cfg.reward.custom_reward_function = {"path": None}
     mgr = load_reward_manager(cfg, tokenizer=None)
     assert isinstance(mgr, DiffusionRewardManager)
+
+
+def test_unknown_reward_kwargs_keys_and_options_name_the_valid_ones():
+    """Issue 12 item 5: a misspelt key under reward.reward_kwargs (or a reward option) is an error listing the
+    valid ones, not silently ignored."""
+    cfg = OmegaConf.create({"reward": {"reward_kwargs": {"components": {"jpeg_compressibility": 1.0}, "timout": 5}}})
+    with pytest.raises(ValueError, match=r"reward\.reward_kwargs has unknown keys \['timout'\]; valid keys: components, "
+                                         r"options, penalty, executor, max_workers, timeout"):
+        DiffusionRewardManager(config=cfg)
+    with pytest.raises(ValueError, match=r"bad options for reward 'jpeg_compressibility': .*qualty.*; valid options: "
+                                         r"quality, unit"):
+        build_reward({"jpeg_compressibility": 1.0}, options={"jpeg_compressibility": {"qualty": 90}})

@@ -82,6 +82,9 @@ class DiffusionRewardManager(RewardManagerBase):
     ):
         super().__init__(config, tokenizer, compute_score)
         cfg_kwargs = _cfg_get(_cfg_get(config, "reward"), "reward_kwargs") or {}
+        unknown_cfg = sorted(set(cfg_kwargs) - set(_BUILD_KEYS))
+        if unknown_cfg:
+            raise ValueError(f"reward.reward_kwargs has unknown keys {unknown_cfg}; valid keys: {', '.join(_BUILD_KEYS)}")
         kwargs = {k: cfg_kwargs[k] for k in _BUILD_KEYS if k in cfg_kwargs}
         kwargs.update({k: v for k, v in reward_kwargs.items() if k in _BUILD_KEYS})
         unknown = set(reward_kwargs) - set(_BUILD_KEYS)

@@ -27,6 +27,7 @@ loads its own once, so use ``process`` for CPU-bound Python rewards such as OCR)
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
 from concurrent.futures.process import BrokenProcessPool
 import logging
 import math
@@ -325,7 +326,10 @@ def build_reward(
         try:
             rewards[name] = cls(**dict(options.get(name) or {}))
         except TypeError as e:
-            raise ValueError(f"bad options for reward {name!r}: {e}. See docs/rewards.md for its options.") from e
+            params = inspect.signature(cls.__init__).parameters.values()
+            valid = [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            raise ValueError(f"bad options for reward {name!r}: {e}; valid options: "
+                             f"{', '.join(valid) if valid else '(none)'} (docs/rewards.md)") from e
         weights[name] = w
     return MultiReward(
         rewards, weights, penalty=_plain(penalty), executor=executor, max_workers=max_workers, timeout=timeout
