@@ -45,16 +45,15 @@ def test_check_command_selects_cpu_first_and_prints_no_fallback():
 
 
 def test_numa_affinity_is_skipped_on_the_cpu_platform(capsys, monkeypatch):
-    monkeypatch.setenv("VERL_PLATFORM", "cpu")
     import verl.workers.engine_workers as engine_workers
-    from verl.utils.device import get_device_name
 
     from verl_diffusion.workers.platform_cpu import skip_gpu_numa_affinity
 
-    if get_device_name() != "cpu":
-        pytest.skip("verl's platform in this process is not cpu")
-    monkeypatch.setattr(engine_workers, "set_numa_affinity", engine_workers.set_numa_affinity)  # restored after
-    skip_gpu_numa_affinity()
+    stock = engine_workers.set_numa_affinity
+    monkeypatch.setattr(engine_workers, "set_numa_affinity", stock)  # restored after the test
+    skip_gpu_numa_affinity("cuda")
+    assert engine_workers.set_numa_affinity is stock  # a GPU platform keeps verl's affinity
+    skip_gpu_numa_affinity("cpu")
     engine_workers.set_numa_affinity()
     assert "NUMA" not in capsys.readouterr().out
 

@@ -231,13 +231,15 @@ def explain_platform_fallback() -> None:
         log.addFilter(_CpuHostPlatformFilter())
 
 
-def skip_gpu_numa_affinity() -> None:
+def skip_gpu_numa_affinity(device_name: Optional[str] = None) -> None:
     """On the cpu platform, make verl's ``set_numa_affinity`` (called by every TrainingWorker) a no-op: it pins
     the process to the CPUs near its GPU through libnuma + pynvml, and on a CPU host only prints "Failed to set
     NUMA affinity: libnuma.so: cannot open shared object file"."""
-    from verl.utils.device import get_device_name
+    if device_name is None:
+        from verl.utils.device import get_device_name
 
-    if get_device_name() != "cpu":
+        device_name = get_device_name()
+    if device_name != "cpu":
         return
     import verl.workers.engine_workers as engine_workers
 
