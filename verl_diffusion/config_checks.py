@@ -132,6 +132,9 @@ def preflight_remote_rewards(reward_fn, timeout: float | None) -> None:
 def replace_components_override(argv: list) -> None:
     """``reward.components={ocr: 1.0}`` on the command line replaces the recipe's components (hydra would merge
     the dicts, into a struct node that refuses new keys): a ``reward.components=null`` goes before it."""
-    for i, arg in enumerate(list(argv)):
+    out = []
+    for arg in argv:
         if str(arg).startswith("reward.components={"):
-            argv.insert(argv.index(arg), "reward.components=null")
+            out.append("reward.components=null")
+        out.append(arg)
+    argv[:] = out

@@ -61,7 +61,8 @@ def resolve_path(p: str) -> str:
 
 
 def validate_config(cfg) -> None:
-    """One line naming the field for the mistakes users make; raises :class:`ConfigError`."""
+    """One line naming the field for the mistakes users make; raises :class:`ConfigError`. The checks of
+    numbers, prompt counts and the reward section live in :mod:`verl_diffusion.config_checks`."""
     from verl_diffusion.trainer.dataset import read_rows
 
     arr = cfg.actor_rollout_ref
@@ -230,9 +231,8 @@ def prepare_config(cfg) -> str:
 def build_reward_fn(cfg):
     from omegaconf import OmegaConf
 
-    from verl_diffusion.rewards import build_reward
-
     from verl_diffusion.config_checks import options_in_use
+    from verl_diffusion.rewards import build_reward
 
     r = cfg.reward
     return build_reward(OmegaConf.to_container(r.components, resolve=True), options=options_in_use(cfg),
