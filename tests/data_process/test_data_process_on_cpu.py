@@ -207,3 +207,10 @@ def test_prompts_shared_by_train_and_test_files_are_reported(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "note: train: 3 rows hold 2 unique prompts (1 rows repeat a prompt)" in err
     assert "warning: 1 test prompt(s) also appear in train, e.g. 'a dog'" in err
+
+
+def test_reward_server_help_has_a_description():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "Launch a GenEval-protocol reward server" in proc.stdout
+    assert "reward.options.geneval.url=http://HOST:PORT" in proc.stdout
