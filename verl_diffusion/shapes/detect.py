@@ -40,11 +40,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from verl_diffusion.shapes.world import BACKGROUND, COLOURS, SHAPES, relation_holds, shape_coverage
+from verl_diffusion.shapes.world import BACKGROUND, COLOURS, SHAPES, relation_holds, shape_signed_distance
 
 ALPHA_RANGE = (0.5, 1.8)
 MAX_RESIDUAL = 55.0
@@ -140,27 +141,47 @@ SHAPE_FILL = {"circle": np.pi / 4.0, "square": 1.0, "triangle": 0.5, "diamond": 
 SHAPE_CENTROID_DY = {"circle": 0.0, "square": 0.0, "triangle": 1.0 / 6.0, "diamond": 0.0}
 
 
-def classify_shape(alpha: np.ndarray) -> tuple[str, float]:
+# Blur levels (Gaussian sigma, pixels) at which each template is compared: a small VAE blurs edges.
+TEMPLATE_BLURS = (0.0, 0.7, 1.0, 1.4, 2.0)
+
+
+def classify_shape(alpha: np.ndarray, region: np.ndarray | None = None) -> tuple[str, float]:
     """(shape, soft IoU) of the shape template that best fits one object's coverage map ``alpha``
-    [H, W] in [0, 1]: each shape is sized from the total coverage (its area) and placed at the
-    coverage's centroid, rasterised like ``render`` does, and compared by sum(min) / sum(max)."""
+    [H, W] in [0, 1]: each shape is sized from the total coverage (its area, which blur preserves) and
+    placed at the coverage's centroid, rasterised like ``render`` does, blurred by each of
+    ``TEMPLATE_BLURS``, and compared by sum(min) / sum(max) over ``region`` (default: everywhere)."""
     area = float(alpha.sum())
     h, w = alpha.shape
+    if region is None:
+        region = np.ones_like(alpha, dtype=bool)
     grid_y, grid_x = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
     cx, cy = float((alpha * grid_x).sum() / area), float((alpha * grid_y).sum() / area)
     best, best_iou = SHAPES[0], -1.0
     for shape in SHAPES:
         side = float(np.sqrt(area / SHAPE_FILL[shape]))
-        t = _coverage_rect(shape, cx, cy - SHAPE_CENTROID_DY[shape] * side, side, h, w)
-        iou = float(np.minimum(t, alpha).sum() / max(np.maximum(t, alpha).sum(), 1e-6))
-        if iou > best_iou:
-            best, best_iou = shape, iou
+        t0 = _coverage_rect(shape, cx, cy - SHAPE_CENTROID_DY[shape] * side, side, h, w)
+        for sigma in TEMPLATE_BLURS:
+            t = np.where(region, _blur(t0, sigma), 0.0)
+            iou = float(np.minimum(t, alpha).sum() / max(np.maximum(t, alpha).sum(), 1e-6))
+            if iou > best_iou:
+                best, best_iou = shape, iou
     return best, best_iou
 
 
-def _coverage_rect(shape: str, cx: float, cy: float, side: float, h: int, w: int) -> np.ndarray:
-    from verl_diffusion.shapes.world import shape_signed_distance
+@lru_cache(maxsize=256)
+def _blur_matrix(n: int, sigma: float) -> np.ndarray:
+    x = np.arange(n, dtype=np.float32)
+    k = np.exp(-((x[:, None] - x[None, :]) ** 2) / (2.0 * sigma * sigma))
+    return (k / k.sum(1, keepdims=True)).astype(np.float32)
 
+
+def _blur(a: np.ndarray, sigma: float) -> np.ndarray:
+    if sigma <= 0:
+        return a
+    return _blur_matrix(a.shape[0], sigma) @ a @ _blur_matrix(a.shape[1], sigma).T
+
+
+def _coverage_rect(shape: str, cx: float, cy: float, side: float, h: int, w: int) -> np.ndarray:
     gy = np.arange(h, dtype=np.float32)[:, None] + 0.5
     gx = np.arange(w, dtype=np.float32)[None, :] + 0.5
     sd = shape_signed_distance(shape, gx - cx, gy - cy, side / 2.0, side / 2.0)
@@ -184,11 +205,14 @@ def detect(image: np.ndarray) -> list[Detection]:
         mask = ids == cid
         ys, xs = np.nonzero(mask)
         k = int(labels[ys[0], xs[0]])
-        # the object's coverage: its pixels and their anti-aliased / blurred rim (one-pixel ring)
-        ring = _dilate(mask) & (labels < 0)
-        alpha = np.where(mask | ring, mix[..., k], 0.0).astype(np.float32)
+        # the object's coverage in a window around it: its pixels and their blurred rim (two-pixel ring)
+        y0, y1 = max(ys.min() - 4, 0), min(ys.max() + 5, h)
+        x0, x1 = max(xs.min() - 4, 0), min(xs.max() + 5, w)
+        m = mask[y0:y1, x0:x1]
+        region = _dilate(_dilate(m)) & ((labels[y0:y1, x0:x1] < 0) | m)
+        alpha = np.where(region, mix[y0:y1, x0:x1, k], 0.0).astype(np.float32)
         colour = _PALETTE_NAMES[k]
-        shape, fit = classify_shape(alpha)
+        shape, fit = classify_shape(alpha, region)
         out.append(Detection(shape, colour, float((xs.mean() + 0.5) / w), float((ys.mean() + 0.5) / h), float(area), fit))
     return out
 
