@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from verl import DataProto
 from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, progress_line
-from verl_diffusion.trainer.metrics import group_image_std, reduce_worker_metrics, reward_metrics
+from verl_diffusion.trainer.metrics import reduce_worker_metrics, reward_metrics
 
 
 def _trainer(epochs=1, mini=2, bs=2, n=4):
@@ -131,6 +131,8 @@ def test_branched_driver_step_advantages():
 
 
 def test_group_image_std_is_zero_for_identical_groups_and_the_pixel_std_otherwise():
+    from verl_diffusion.trainer.metrics import group_image_std
+
     imgs = torch.zeros(4, 3, 2, 2, dtype=torch.uint8)
     uids = np.array(["a", "a", "b", "b"], dtype=object)
     assert group_image_std(imgs, uids) == 0.0
