@@ -86,7 +86,7 @@ ALGO_KEYS = (
     "algorithm.flow_grpo",
 )
 VAL_STRICT_KEYS = ("val/shapes/strict", "val/strict", "val/shapes/strict_accuracy", "val/strict_accuracy")
-VAL_REWARD_KEYS = ("val/shapes/reward", "val/reward_mean")
+VAL_REWARD_KEYS = ("val/shapes/mean", "val/reward_mean")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -101,7 +101,12 @@ def compose(name: str, overrides: list[str]):
     argv = ["main_flowgrpo"]
     add_search_path(argv)
     search = [a for a in argv if a.startswith("hydra.searchpath")]
-    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+    # hydra finds a primary config only in the config dir: the package's (shapes_cpu, tiny_cpu) or recipes/
+    import verl_diffusion.config
+
+    package = Path(verl_diffusion.config.__file__).resolve().parent
+    config_dir = package if (package / f"{name}.yaml").is_file() else RECIPES
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         return hydra_compose(config_name=name, overrides=[*search, *overrides])
 
 
@@ -265,7 +270,7 @@ def summarise(rows: list[dict], target_gain: float, target: float | None) -> tup
         lines.append(f"### Setting `{setting}` (ppo_epochs {epochs}; {rps} rollouts per step)\n")
         head = ["algorithm", "seeds"] + [f"strict @ {s * rps[0]} rollouts" for s in shown] + [
             f"reward @ {shown[-1] * rps[0] if shown else 0}", "rollouts to target (seeds reaching)", "s/step",
-            "peak RSS GB", "group diversity first→last", "max |log ratio|", "strict drop from peak"]
+            "peak RSS GB", "group diversity first→last", "max abs log-ratio", "strict drop from peak"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for algo in [a for a in ALGORITHMS if any(r["algorithm"] == a for r in srows)]:
