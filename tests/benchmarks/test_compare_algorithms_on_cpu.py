@@ -81,3 +81,9 @@ def test_summary_table_and_rollouts_to_target(race):
     assert "| 1.000 |" in lines["awm"] and "0.700" in lines["awm"]   # s/step without the first step; peak RSS
     assert "0.200 → 0.100" in lines["awm"]
     assert lines["flow_grpo"].endswith("| 0.300 ± 0.000 | 0.025 ± 0.035 |")   # max |log ratio|; drops 0 and 0.05
+
+
+def test_package_configs_compose_as_the_base(race):
+    """The default base (shapes_cpu) is a package config, not a recipe: hydra must find it as primary."""
+    cfg = race.compose("flowgrpo_trainer", [])   # in verl_diffusion/config only
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "flow_grpo"
