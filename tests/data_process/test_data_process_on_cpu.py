@@ -132,4 +132,3 @@ def test_published_prompt_files_convert_whole(script, args, counts, tmp_path):
         df = pd.read_parquet(tmp_path / f"{split}.parquet")
         assert len(df) == n
         assert df.extra_info.iloc[-1]["index"] == n - 1
-
