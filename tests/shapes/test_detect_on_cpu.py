@@ -171,3 +171,23 @@ def test_shapes_reward_registered_and_reports_strict_per_tag():
     assert all(res.metrics[f"reward/shapes/strict/{t}"] == 1.0 for t in TAGS[1:])
     with pytest.raises(ValueError, match="score_key"):
         build_reward({"shapes": 1.0}, options={"shapes": {"score_key": "nope"}})
+
+
+def test_a_shapeless_blob_has_no_shape_but_keeps_its_colour():
+    """A bar (6:1) is no shape of the world: shape "unknown", so "a red square" gets only the colour's half
+    credit, never strict."""
+    from verl_diffusion.shapes.detect import SHAPE_MIN_FIT, UNKNOWN_SHAPE
+
+    img = np.full((32, 32, 3), BACKGROUND, dtype=np.uint8)
+    img[14:17, 4:22] = COLOURS["red"]
+    (det,) = detect(img)
+    assert det.shape == UNKNOWN_SHAPE and det.colour == "red" and det.fit < SHAPE_MIN_FIT
+    res = score(img, make_metadata("colors", ("red", "square")))
+    assert not res.strict and res.reward == 0.5
+    # every clean render fits its shape well above the threshold
+    rng = np.random.default_rng(4)
+    for shape in SHAPES:
+        for _ in range(10):
+            scene = Scene((ObjectSpec(shape, "green", rng.uniform(0.22, 0.4), 0.5, 0.5),))
+            (d,) = detect(render(scene, 32))
+            assert d.shape == shape and d.fit > 0.8

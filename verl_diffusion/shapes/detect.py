@@ -18,7 +18,8 @@ Detection (``detect``), pure numpy:
    ``MIN_AREA_FRACTION`` of the image are dropped.
 4. Shape: the object's coverage (weights over its peak, on its pixels and a two-pixel rim) is compared
    with each shape of ``SHAPES`` rasterised by the renderer's own geometry, sized from the coverage's sum
-   and placed at its centroid, at several blur levels (``classify_shape``); the best soft IoU wins.
+   and placed at its centroid, at several blur levels (``classify_shape``); the best soft IoU wins, unless
+   it is below ``SHAPE_MIN_FIT``: then the object is a shapeless blob (shape ``"unknown"``).
 
 Scoring (``evaluate`` / ``score``). Requirements are the metadata's ``include`` entries (class, count,
 optional colour, optional position); objects of one prompt have distinct shapes, so an object matches at
@@ -57,6 +58,11 @@ ALPHA_RANGE = (0.25, 1.8)
 PEAK_MIN = 0.45
 MAX_RESIDUAL = 55.0
 BACKGROUND_TOLERANCE = 60.0
+# An object whose best shape fits worse than this (soft IoU) is a blob of no shape: its shape is "unknown",
+# so it can match a requirement only by colour (half credit). Clean renders fit at 0.85-1.0, renders blurred
+# by 1.4 px with colour noise at 0.6 or more; a bar or a smear fits below 0.5.
+SHAPE_MIN_FIT = 0.5
+UNKNOWN_SHAPE = "unknown"
 # Components below this fraction of the image area are noise (a 7-px triangle at 32 px covers 2.4 %).
 MIN_AREA_FRACTION = 0.008
 
@@ -229,6 +235,8 @@ def detect(image: np.ndarray) -> list[Detection]:
             region = _dilate(_dilate(m)) & (~core | m) & ((lab < 0) | blob)
             alpha = np.where(region, np.clip(a / peak, 0.0, 1.0), 0.0).astype(np.float32)
             shape, fit = classify_shape(alpha, region)
+            if fit < SHAPE_MIN_FIT:
+                shape = UNKNOWN_SHAPE
             out.append(Detection(shape, _PALETTE_NAMES[k], float((mx.mean() + x0 + 0.5) / w),
                                  float((my.mean() + y0 + 0.5) / h), float(m.sum()), fit))
     return out
