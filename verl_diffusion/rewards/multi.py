@@ -48,6 +48,7 @@ class RewardResult:
     failures: dict[str, int]  # name -> failed samples in this call
     metrics: dict[str, float]
     details: dict[str, torch.Tensor] = field(default_factory=dict)  # "name/detail" -> [B] float32
+    causes: dict[str, str] = field(default_factory=dict)  # name -> first cause of this call's failures
 
 
 # -- process-pool worker side ------------------------------------------------------------------------
@@ -188,7 +189,7 @@ class MultiReward:
                     fut = pool.submit(_worker_score, name, *args)
                 pending[name].append((sl, fut))
 
-        components, details, failures, metrics = {}, {}, {}, {}
+        components, details, failures, metrics, first_causes = {}, {}, {}, {}, {}
         for name, reward in self.rewards.items():
             values = np.full(n, np.nan)
             dets: dict[str, np.ndarray] = {}
@@ -217,6 +218,7 @@ class MultiReward:
             if nbad:
                 kind, cause = causes[0] if causes else ("non-finite", "the reward returned NaN or inf")
                 self._log_once(name, kind, cause, nbad)
+                first_causes[name] = str(cause)
             values[bad] = self.penalty[name]
             self.failure_totals[name] += nbad
             failures[name] = nbad
@@ -238,7 +240,8 @@ class MultiReward:
         if n:
             metrics["reward/score/mean"] = float(scores.mean())
             metrics["reward/score/std"] = float(scores.std(unbiased=False))
-        return RewardResult(scores=scores, components=components, failures=failures, metrics=metrics, details=details)
+        return RewardResult(scores=scores, components=components, failures=failures, metrics=metrics, details=details,
+                            causes=first_causes)
 
 
 def build_reward(
