@@ -13,7 +13,6 @@ The config is validated before any Ray worker starts (:func:`validate_config`).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 from typing import Any
