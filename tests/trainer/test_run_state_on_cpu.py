@@ -222,3 +222,80 @@ def test_validation_scores_with_each_prompts_ground_truth(tmp_path):
     assert m["val/geneval/strict_accuracy/a"] == 1.0 and m["val/geneval/strict_accuracy/b"] == 1.0
     saved = torch.load(tmp_path / "validation" / "baseline.pt", weights_only=True)
     assert saved["step"] == 0 and saved["images"].shape == (5, 3, 4, 4)
+
+
+# -- the trainer's resume and the default run directory ----------------------------------------------------
+
+class _CkptWG:
+    def __init__(self):
+        self.loaded = []
+
+    def load_checkpoint(self, path, del_local_after_load=False):
+        self.loaded.append(path)
+
+
+class _Loader(list):
+    def __init__(self):
+        super().__init__([0, 1, 2])
+        self.state = None
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _resume_trainer(tmp_path):
+    from verl_diffusion.trainer.dataset import EpochShuffleSampler
+
+    tr = object.__new__(RayFlowGRPOTrainer)
+    ckpt = tmp_path / "checkpoints"
+    tr.config = OmegaConf.create({"trainer": {"resume_mode": "auto", "default_local_dir": str(ckpt),
+                                              "default_hdfs_dir": None, "del_local_ckpt_after_load": False}})
+    tr.actor_rollout_wg, tr.use_critic, tr.global_steps = _CkptWG(), False, 0
+    tr.train_dataloader = _Loader()                       # 3 steps per epoch
+    tr.train_sampler = EpochShuffleSampler(12)
+    tr.metrics_log, tr.resume_point, tr.progress = MetricsLog(str(tmp_path / "metrics.jsonl")), None, False
+    return tr, ckpt
+
+
+def test_trainer_resumes_from_the_newest_complete_checkpoint(tmp_path, capsys):
+    tr, ckpt = _resume_trainer(tmp_path)
+    _ckpt(ckpt, 2)
+    torch.save({"epoch": 0, "yielded": 2}, ckpt / "global_step_2" / "data.pt")    # a real dataloader state
+    write_manifest(str(ckpt / "global_step_2"))
+    _ckpt(ckpt, 4, complete=False)
+    (ckpt / TRACKER_NAME).write_text("")                 # and an empty tracker (verl: int(''))
+    for s in range(1, 6):
+        tr.metrics_log.append({"step": s})
+    tr._load_checkpoint()
+    assert tr.global_steps == 2 and tr.actor_rollout_wg.loaded == [str(ckpt / "global_step_2" / "actor")]
+    warning = capsys.readouterr().out
+    assert "WARNING: skipped damaged checkpoint state (latest_checkpointed_iteration.txt: holds ''" in warning
+    assert "global_step_4: no manifest.json (the save did not finish)); resuming from global_step_2" in warning
+    assert tr.train_dataloader.state == {"epoch": 0, "yielded": 2}
+    assert [r["step"] for r in tr.metrics_log.rows()] == [1, 2]
+    assert tr.config.trainer.resume_mode == "auto"
+
+
+def test_trainer_refuses_to_start_over_damaged_checkpoints(tmp_path):
+    tr, ckpt = _resume_trainer(tmp_path)
+    _ckpt(ckpt, 3, complete=False)
+    (ckpt / TRACKER_NAME).write_text("")
+    with pytest.raises(RunDirError, match="none is complete.*trainer.overwrite=true"):
+        tr._load_checkpoint()
+    assert tr.actor_rollout_wg.loaded == []
+
+
+def test_outputs_default_to_outputs_experiment_under_the_working_directory(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    from verl_diffusion.main_flowgrpo import add_search_path, prepare_config
+
+    monkeypatch.delenv("VERL_DIFFUSION_RUN_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_module(config_module="verl_diffusion.config", version_base=None):
+        argv = ["x"]
+        add_search_path(argv)
+        cfg = compose(config_name="tiny_cpu", overrides=[a for a in argv if a.startswith("hydra.searchpath")])
+    run_dir = prepare_config(cfg)
+    assert run_dir == str(tmp_path / "outputs" / "tiny_cpu")
+    assert cfg.trainer.default_local_dir == str(tmp_path / "outputs" / "tiny_cpu" / "checkpoints")

@@ -52,9 +52,9 @@ def read_tracker(ckpt_dir: str) -> tuple[Optional[int], Optional[str]]:
         with open(path) as f:
             text = f.read().strip()
     except OSError as e:
-        return None, f"{TRACKER_NAME} unreadable ({e})"
+        return None, f"unreadable ({e})"
     if not text.isdigit():
-        return None, f"{TRACKER_NAME} holds {text[:40]!r}, not a step number"
+        return None, f"holds {text[:40]!r}, not a step number"
     return int(text), None
 
 

@@ -141,10 +141,11 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
             self.config.actor_rollout_ref.actor.optim.total_training_steps = total
 
     def _load_checkpoint(self):
-        """Resume from the newest complete checkpoint (checkpoints.find_resume_checkpoint; damaged newer ones
-        are named in a warning), through verl's loader with ``resume_mode=resume_path``. Existing checkpoints
-        with none complete stop the run instead of training from scratch over them. At an epoch boundary verl
-        skips the dataloader state, so the sampler's epoch is set from the global step (the order of an epoch
+        """Resume from the newest complete checkpoint (checkpoints.find_resume_checkpoint; damaged newer ones and
+        a bad tracker are named in a warning). verl's loader is not used for ``auto``: it reads the tracker first
+        and crashes on an empty one. Existing checkpoints with none complete stop the run instead of training
+        from scratch over them. The dataloader state is restored except at an epoch boundary, where it marks the
+        epoch exhausted and the sampler's epoch is set from the global step instead (the order of an epoch
         depends only on (seed, epoch)). metrics.jsonl keeps the rows up to the resumed step."""
         trainer_cfg = self.config.trainer
         mode = str(trainer_cfg.get("resume_mode", "auto"))
@@ -157,14 +158,16 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                 raise RunDirError(f"{self._ckpt_dir()} has checkpoints but none is complete ({point.warning()}); "
                                   "pass trainer.overwrite=true to start from scratch over them")
             if point.path is not None:
-                with open_dict(self.config):
-                    trainer_cfg.resume_mode, old_path = "resume_path", trainer_cfg.get("resume_from_path", None)
-                    trainer_cfg.resume_from_path = point.path
-                try:
-                    out = super()._load_checkpoint()
-                finally:
-                    with open_dict(self.config):
-                        trainer_cfg.resume_mode, trainer_cfg.resume_from_path = "auto", old_path
+                self.global_steps = int(point.step)
+                self.actor_rollout_wg.load_checkpoint(os.path.join(point.path, "actor"),
+                                                      del_local_after_load=bool(trainer_cfg.get(
+                                                          "del_local_ckpt_after_load", False)))
+                per_epoch = len(self.train_dataloader)
+                data = os.path.join(point.path, "data.pt")
+                if os.path.exists(data) and not (per_epoch and self.global_steps % per_epoch == 0):
+                    self.train_dataloader.load_state_dict(torch.load(data, weights_only=False))
+                if self.progress:
+                    print(f"resumed from {point.path} (step {self.global_steps})", flush=True)
         elif mode != "disable":
             out = super()._load_checkpoint()
         per_epoch = len(self.train_dataloader)
