@@ -4,6 +4,10 @@ With no arguments it runs the CPU demo (``config/tiny_cpu.yaml``): a tiny random
 directory and loaded through the real loading path, the packaged prompts, the JPEG-compressibility reward,
 2 Ray workers, a progress line per step; at the end a reward-curve PNG and a before/after grid.
 
+Outputs go to the run directory, ``./outputs/<experiment_name>`` by default, printed first; what a run does with
+an existing one (resume, "already finished", refuse) is decided before Ray starts (trainer/run_dir.py). Exit
+codes: 0, 2 (config / run directory), 3 (reward-failure budget), 130 / 143 (SIGINT / SIGTERM, checkpoint saved).
+
 Platform: when no accelerator is present, ``VERL_PLATFORM=cpu`` is set in the driver and in Ray's
 ``runtime_env`` before verl is imported. On a host that has GPUs but where torch sees none (broken driver),
 it stops with an error instead of falling back to CPU; set ``VERL_PLATFORM=cpu`` to force CPU.
@@ -333,11 +337,12 @@ def _hydra_main():
     @hydra.main(config_path="config", config_name="tiny_cpu", version_base="1.3")  # 1.3: no chdir
     def entry(cfg) -> None:
         from verl_diffusion.trainer.reward_health import RewardBudgetExceeded
+        from verl_diffusion.trainer.run_dir import RunDirError
         from verl_diffusion.trainer.signals import StopRequested
 
         try:
             summary = run_flowgrpo(cfg)
-        except ConfigError as e:
+        except (ConfigError, RunDirError) as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(CONFIG_ERROR_EXIT)
         except StopRequested as e:

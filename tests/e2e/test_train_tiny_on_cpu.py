@@ -209,7 +209,7 @@ def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
         assert rc == 143, (out[-3000:], err[-3000:])
         assert f"resuming from {run_dir}/checkpoints/global_step_{stop_a}" in out and "failed geneval" not in out
         stop_b = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
-        assert stop_b > stop_a and f"stopped by SIGTERM after step {stop_b}" in out
+        assert stop_b > stop_a and f"stopped by SIGTERM after step {stop_b}" in out, (out[-3000:], err[-3000:])
         end = stop_b + 1
         rows, out = _run(root, f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}", *common)
         full, _ = _run(tmp_path / "full", f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}",

@@ -469,8 +469,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                     if validated:
                         metrics.update(self._validate())
                     over_budget = self.reward_health.exceeded()
-                    if (cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last)) \
-                            or stop.requested or over_budget:
+                    if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
                         self._save_checkpoint()
                     logger.log(metrics, step=step)
                     self.history.append({"step": step, **metrics})
@@ -479,11 +478,13 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                         self.refresh_artifacts()
                     if self.progress:
                         print(progress_line(step, self.total_training_steps, metrics), flush=True)
-                    if stop.requested:
-                        write_run_state(self.run_dir, "stopped", step, reason=f"signal {stop.signum}")
-                        raise StopRequested(stop.signum, step)
-                    if over_budget:
-                        write_run_state(self.run_dir, "stopped", step, reason=over_budget)
+                    if stop.requested or over_budget:     # checked last: a signal may come at any point above
+                        self._save_checkpoint()             # (a no-op when this step is saved already)
+                        self.refresh_artifacts()
+                        reason = f"signal {stop.signum}" if stop.requested else over_budget
+                        write_run_state(self.run_dir, "stopped", step, reason=reason)
+                        if stop.requested:
+                            raise StopRequested(stop.signum, step)
                         raise RewardBudgetExceeded(over_budget)
                     self.global_steps += 1
                     if last:
