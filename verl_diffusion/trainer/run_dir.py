@@ -81,11 +81,12 @@ def plan_run(run_dir: str, ckpt_dir: str, *, total_steps: int, resume_mode: str 
     state = read_run_state(run_dir)
     if state.get("status") == "finished" and int(state.get("step", -1)) >= total_steps:
         step = int(state["step"])
+        more = ("a larger trainer.total_training_steps (resumes from its last checkpoint), "
+                if find_resume_checkpoint(ckpt_dir).path else "")
         return RunPlan("finished", run_dir, ckpt_dir, finished_step=step,
                        message=f"this run already finished at step {step}: outputs in {run_dir} (metrics.jsonl, "
-                               "reward_curve.png, before_after.png); nothing to do. To train again pass "
-                               "trainer.overwrite=true, a larger trainer.total_training_steps with checkpoints to "
-                               "resume, or another trainer.experiment_name")
+                               f"reward_curve.png, before_after.png); nothing to do. To train more pass {more}"
+                               "trainer.overwrite=true (replaces it) or another trainer.experiment_name")
     if resume_mode == "resume_path":
         path = os.path.abspath(str(resume_from_path or ""))
         why = check_checkpoint(path)
