@@ -164,8 +164,9 @@ def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
     stops after 2 failing steps (trainer.reward_failure_budget) with exit 3 and a checkpoint at step 4 (save_freq
     is off), the end of an epoch (8 prompts, 4 per step), where verl skips the dataloader state. Run B (the same
     command, a live server) resumes and is stopped by SIGTERM: it finishes its step, saves and exits 143. Run C
-    resumes again to the end; a rerun of C says the run is finished and touches nothing. metrics.jsonl holds steps 0..L once each, equal to an uninterrupted
-    run's; the step-0 validation images survive both resumes for before/after."""
+    resumes again to the end; a rerun of C says the run is finished and touches nothing. metrics.jsonl holds
+    steps 0..L once each, equal to an uninterrupted run's; the step-0 validation images survive both resumes for
+    before/after."""
     import signal
 
     prompts = _geneval_prompts(tmp_path / "prompts.jsonl")

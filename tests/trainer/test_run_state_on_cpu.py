@@ -138,7 +138,8 @@ def test_reward_health_reports_every_failing_step_and_each_transition():
         assert m["reward/jpeg/failure_fraction"] == 0.0
         seen.append((step, events, h.exceeded()))
     assert seen[0][1] == [] and seen[2][1] == []
-    assert seen[1][1] == ["reward 'geneval' started failing at step 2: 32/32 samples got the penalty: URLError: refused"]
+    assert seen[1][1] == ["reward 'geneval' started failing at step 2: 32/32 samples got the penalty: "
+                          "URLError: refused"]
     assert seen[3][1] == ["reward 'geneval' recovered at step 4 after failing since step 2 (2 steps)"]
     assert "started failing at step 5: 8/32" in seen[4][1][0]
     # fractions 1, 1 | 0 | 0.25, 0.625, 1, 1: three consecutive steps above 0.5 first at step 8
@@ -195,7 +196,8 @@ class _GroundTruthReward:
         from verl_diffusion.rewards.multi import RewardResult
 
         self.calls.append(metadata)
-        ok = torch.tensor([float(m.get("reward_model", {}).get("ground_truth") == p) for p, m in zip(prompts, metadata)])
+        ok = torch.tensor([float(m.get("reward_model", {}).get("ground_truth") == p)
+                           for p, m in zip(prompts, metadata)])
         tags = {}
         for m, v in zip(metadata, ok.tolist()):
             tags.setdefault(m.get("extra_info", {}).get("tag", "none"), []).append(v)
