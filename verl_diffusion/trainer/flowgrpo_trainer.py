@@ -1,8 +1,9 @@
 """RayFlowGRPOTrainer: verl's ``RayPPOTrainer`` with the token-shaped parts replaced for images (DESIGN §3, §4).
 
-Reused from verl: ``__init__`` (config, role mapping, resource-pool manager), checkpoint loading
-(``global_step_<k>`` folders, the dataloader state), tracking. Checkpoint saving keeps verl's layout and adds a
-manifest and an atomic tracker; the run directory, the per-step metrics file, reward-failure accounting and
+Reused from verl: ``__init__`` (config, role mapping, resource-pool manager), the checkpoint layout
+(``global_step_<k>/actor`` written by the workers, ``data.pt``, the latest-iteration file; verl's loader for
+``resume_mode=resume_path``), tracking. Saving adds a manifest and an atomic tracker, and ``auto`` resumes from
+the newest complete checkpoint; the run directory, the per-step metrics file, reward-failure accounting and
 the graceful stop live in small trainer-independent modules (``run_dir``, ``checkpoints``, ``reward_health``,
 ``signals``) that this class calls.
 Replaced: ``init_workers`` (our worker only; no LLM server stack), the dataloader (prompts, no tokenizer),
