@@ -301,3 +301,22 @@ def test_outputs_default_to_outputs_experiment_under_the_working_directory(tmp_p
     run_dir = prepare_config(cfg)
     assert run_dir == str(tmp_path / "outputs" / "tiny_cpu")
     assert cfg.trainer.default_local_dir == str(tmp_path / "outputs" / "tiny_cpu" / "checkpoints")
+
+
+def test_multi_reward_reports_the_cause_of_this_calls_failures():
+    """The cause the fault-start warning quotes: RewardResult.causes, per call (not only the first of the run)."""
+    import socket
+
+    from verl_diffusion.rewards import build_reward
+
+    with socket.socket() as s:                              # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reward = build_reward({"jpeg_compressibility": 1.0, "geneval": 0.0},
+                          options={"geneval": {"url": f"http://127.0.0.1:{port}", "max_retries": 0}})
+    meta = [{"reward_model": {"ground_truth": json.dumps({"tag": "colors", "include": [{"class": "cup", "count": 1}]})}}]
+    images = torch.zeros(2, 3, 16, 16, dtype=torch.uint8)
+    for _ in range(2):
+        res = reward(images, ["a cup"] * 2, meta * 2)
+        assert res.failures == {"jpeg_compressibility": 0, "geneval": 2}
+        assert set(res.causes) == {"geneval"} and f"127.0.0.1:{port}" in res.causes["geneval"]
