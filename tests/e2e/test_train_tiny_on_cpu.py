@@ -135,8 +135,8 @@ def _geneval_prompts(path):
 
 
 def _geneval_server(die_after_train_requests=None):
-    """A loopback GenEval server (coloured-box scorer). With ``die_after_train_requests=k`` it closes itself right
-    after answering the k-th training request (32 images), so the run's step k+1 is the first to find it gone."""
+    """A loopback GenEval server (coloured-box scorer). With ``die_after_train_requests=k`` it stops listening while
+    answering the k-th training request (32 images), so the run's step k+1 is the first to find it gone."""
     import threading
     from http.server import ThreadingHTTPServer
 
@@ -148,8 +148,9 @@ def _geneval_server(die_after_train_requests=None):
         out = scorer(images, metas, only_strict)
         if die_after_train_requests and len(images) == 32:
             seen.append(1)
-            if len(seen) == die_after_train_requests:
-                threading.Thread(target=lambda: (srv.shutdown(), srv.server_close()), daemon=True).start()
+            if len(seen) == die_after_train_requests:     # gone before this reply is sent: no race with step k+1
+                srv.shutdown()                              # (this handler runs in its own thread)
+                srv.server_close()
         return out
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(score))
