@@ -54,7 +54,7 @@ for recipe in "${RECIPES[@]}"; do
     actor_rollout_ref.rollout.micro_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
     trainer.n_gpus_per_node=1 trainer.total_training_steps=3 trainer.test_freq=3 trainer.val_before_train=false \
     trainer.val_num_images=2 trainer.save_freq=-1 'trainer.logger=[]' \
-    trainer.default_local_dir="$out/checkpoints" trainer.run_dir="$out" ${SMOKE_ARGS:-}
+    trainer.default_local_dir="$out/checkpoints" trainer.run_dir="$out" trainer.overwrite=true ${SMOKE_ARGS:-}
   python - "$out/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

@@ -4,6 +4,10 @@ With no arguments it runs the CPU demo (``config/tiny_cpu.yaml``): a tiny random
 directory and loaded through the real loading path, the packaged prompts, the JPEG-compressibility reward,
 2 Ray workers, a progress line per step; at the end a reward-curve PNG and a before/after grid.
 
+Outputs go to the run directory, ``./outputs/<experiment_name>`` by default, printed first; what a run does with
+an existing one (resume, "already finished", refuse) is decided before Ray starts (trainer/run_dir.py). Exit
+codes: 0, 2 (config / run directory), 3 (reward-failure budget), 130 / 143 (SIGINT / SIGTERM, checkpoint saved).
+
 Platform: when no accelerator is present, ``VERL_PLATFORM=cpu`` is set in the driver and in Ray's
 ``runtime_env`` before verl is imported. On a host that has GPUs but where torch sees none (broken driver),
 it stops with an error instead of falling back to CPU; set ``VERL_PLATFORM=cpu`` to force CPU.
@@ -13,12 +17,12 @@ The config is validated before any Ray worker starts (:func:`validate_config`).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 from typing import Any
 
 CONFIG_ERROR_EXIT = 2
+REWARD_FAILURE_EXIT = 3   # trainer.reward_failure_budget ran out (checkpoint saved)
 
 
 class ConfigError(ValueError):
@@ -199,10 +203,11 @@ def _pipeline_class(path) -> str:
 
 
 def prepare_config(cfg) -> str:
-    """Resolve the run dir, build the tiny model when asked, resolve pkg:// data paths. Returns the run dir."""
+    """Resolve the run dir (relative paths: under the working directory; null: ``./outputs/<experiment_name>``),
+    build the tiny model when asked, resolve pkg:// data paths. Returns the run dir."""
     from omegaconf import open_dict
 
-    run_dir = cfg.trainer.get("run_dir", None) or os.path.join(str(cfg.trainer.default_local_dir), "run")
+    run_dir = cfg.trainer.get("run_dir", None) or os.path.join("outputs", str(cfg.trainer.experiment_name))
     run_dir = os.path.abspath(os.path.expanduser(str(run_dir)))
     os.makedirs(run_dir, exist_ok=True)
     with open_dict(cfg):
@@ -240,15 +245,48 @@ def build_reward_fn(cfg):
                         max_workers=r.get("max_workers", None), timeout=r.get("timeout", None))
 
 
+def plan_run_dir(cfg, run_dir: str):
+    """What this run does with its run directory (trainer/run_dir.py: new, resume or already finished), decided
+    before Ray starts; the reward-failure budget is checked here too. Raises ConfigError with one line."""
+    from verl_diffusion.trainer.reward_health import RewardFailureBudget
+    from verl_diffusion.trainer.run_dir import RunDirError, clear_outputs, plan_run
+
+    t = cfg.trainer
+    try:
+        RewardFailureBudget.from_dict(t.get("reward_failure_budget", None))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    total = t.get("total_training_steps", None)
+    total = int(total) if total is not None else 10 ** 12     # epochs: the step count needs the dataloader
+    try:
+        plan = plan_run(run_dir, str(t.default_local_dir), total_steps=total,
+                        resume_mode=str(t.get("resume_mode", "auto")), resume_from_path=t.get("resume_from_path", None),
+                        overwrite=bool(t.get("overwrite", False)))
+    except RunDirError as e:
+        raise ConfigError(str(e)) from None
+    if plan.action == "new" and bool(t.get("overwrite", False)):
+        clear_outputs(run_dir, str(t.default_local_dir))
+    return plan
+
+
 def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
-    """Validate, start Ray, train, write the artefacts. Returns a summary dict (history, paths)."""
+    """Validate, plan the run directory, start Ray, train. Returns a summary dict (history, paths); a run that
+    already finished returns ``{"finished": True, "message": ...}`` without starting Ray or touching a file.
+    Raises StopRequested (SIGTERM/SIGINT, checkpoint saved) or RewardBudgetExceeded (checkpoint saved)."""
     platform = select_platform()
     run_dir = prepare_config(cfg)
     validate_config(cfg)
+    plan = plan_run_dir(cfg, run_dir)
+    if plan.action == "finished":
+        return {"run_dir": run_dir, "finished": True, "message": plan.message, "history": []}
     try:
         reward_fn = build_reward_fn(cfg)
     except ValueError as e:
         raise ConfigError(f"reward: {e}") from None
+    resume = f"resuming from {plan.resume.path}" if plan.action == "resume" else "new run"
+    print(f"run dir: {run_dir} ({resume}; checkpoints in {cfg.trainer.default_local_dir})", flush=True)
+    if plan.message and plan.action == "resume":
+        print(f"WARNING: {plan.message}", flush=True)
     try:  # remote rewards answer before the first step (one line naming the URL otherwise)
         from verl_diffusion.config_checks import preflight_remote_rewards
 
@@ -286,12 +324,13 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
             config=cfg, role_worker_mapping={Role.ActorRollout: ray.remote(DiffusionActorRolloutRefWorker)},
             resource_pool_manager=pools, reward_fn=reward_fn,
             device_name=cfg.trainer.device, run_dir=run_dir)
+        trainer.resume_point = plan.resume
         trainer.init_workers()
         history = trainer.fit()
         summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history,
                    "worker_info": dict(getattr(trainer, "worker_info", {}) or {})}
         if finalize:
-            summary.update(write_artifacts(trainer, run_dir))
+            summary.update(trainer.refresh_artifacts())
         return summary
     finally:
         if own_ray:
@@ -314,40 +353,31 @@ def release_workers(trainer, pools) -> None:
             remove_placement_group(pg)
 
 
-def write_artifacts(trainer, run_dir: str) -> dict:
-    """metrics.jsonl, reward_curve.png, before_after.png (first vs last validation)."""
-    from verl_diffusion.trainer.validation import save_before_after, save_reward_curve
-
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        for row in trainer.history:
-            f.write(json.dumps({k: v for k, v in row.items() if isinstance(v, (int, float, str))}) + "\n")
-    out["metrics"] = os.path.join(run_dir, "metrics.jsonl")
-    steps = [h["step"] for h in trainer.history if "reward/mean" in h]
-    rewards = [h["reward/mean"] for h in trainer.history if "reward/mean" in h]
-    if steps:
-        out["reward_curve"] = save_reward_curve(
-            steps, rewards, os.path.join(run_dir, "reward_curve.png"),
-            val_steps=[v["step"] for v in trainer.val_history],
-            val_rewards=[v["val/reward_mean"] for v in trainer.val_history])
-    if len(trainer.val_images) >= 2:
-        first, last = min(trainer.val_images), max(trainer.val_images)
-        out["before_after"] = save_before_after(trainer.val_images[first], trainer.val_images[last],
-                                                os.path.join(run_dir, "before_after.png"),
-                                                labels=(f"step {first}", f"step {last}"))
-    return out
-
-
 def _hydra_main():
     import hydra
 
     @hydra.main(config_path="config", config_name="tiny_cpu", version_base="1.3")  # 1.3: no chdir
     def entry(cfg) -> None:
+        from verl_diffusion.trainer.reward_health import RewardBudgetExceeded
+        from verl_diffusion.trainer.run_dir import RunDirError
+        from verl_diffusion.trainer.signals import StopRequested
+
         try:
             summary = run_flowgrpo(cfg)
-        except ConfigError as e:
+        except (ConfigError, RunDirError) as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(CONFIG_ERROR_EXIT)
+        except StopRequested as e:
+            print(f"{e}: checkpoint and metrics saved in {cfg.trainer.run_dir}; run the same command to resume",
+                  flush=True)
+            sys.exit(e.exit_code)
+        except RewardBudgetExceeded as e:
+            print(f"reward failure: {e}; checkpoint and metrics saved in {cfg.trainer.run_dir}; fix the reward and "
+                  "run the same command to resume", file=sys.stderr, flush=True)
+            sys.exit(REWARD_FAILURE_EXIT)
+        if summary.get("finished"):
+            print(summary["message"], flush=True)
+            return
         h = summary["history"]
         if h:
             k = max(1, len(h) // 4)

@@ -7,8 +7,10 @@ Three claims, each from ``python -m verl_diffusion.main_flowgrpo`` runs (the rea
    train_batch_size × n images), a margin that sampling noise alone crosses with probability < 0.2 %;
 2. the importance ratio is exactly 1 at the first on-policy micro-step (training forwards the same batch
    composition as the rollout, so ℓ_train = ℓ_rollout bitwise; |log ratio| = 0, not just small);
-3. a run killed (SIGINT) after its checkpoint at step L and resumed with resume_mode=auto logs the same
-   metrics at step L+1 as an uninterrupted run with the same seed.
+3. a run whose reward server dies mid-run reports the failures on every progress line, stops on its failure
+   budget (exit 3) with a checkpoint; resumed and then stopped by SIGTERM (exit 143, checkpoint), resumed again
+   by the same command, its metrics.jsonl covers every step once, equal to an uninterrupted run's, and
+   before/after still starts at step 0.
 """
 
 import json
@@ -30,13 +32,17 @@ K = STEPS // 4
 Z = 3.0
 
 
-def _run(root, *overrides, timeout=600):
+def _run(root, *overrides, timeout=600, rc=0):
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(root), RAY_DEDUP_LOGS="1")
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", *overrides], capture_output=True,
                          text=True, env=env, timeout=timeout)
-    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-5000:])
+    assert res.returncode == rc, (res.returncode, res.stdout[-3000:], res.stderr[-5000:])
+    return _metrics(root), res.stdout
+
+
+def _metrics(root):
     with open(os.path.join(root, "tiny_cpu", "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], res.stdout
+        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -71,39 +77,160 @@ def test_first_on_policy_micro_step_has_ratio_exactly_one(learning_run):
     assert rows[0]["actor/first_micro_log_ratio_abs_max"] == 0.0
 
 
-def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
-    """Kill (SIGINT) a run once its first checkpoint is written, resume with resume_mode=auto, compare step L+1."""
-    import signal
-    import time
+class _Run:
+    """A training subprocess whose stdout lines are read as they come (a thread feeds a queue)."""
 
-    k = 3
-    common = ["trainer.test_freq=-1", "trainer.val_before_train=false", *LEARN]
-    root = tmp_path / "killed"
-    tracker = root / "tiny_cpu" / "checkpoints" / "latest_checkpointed_iteration.txt"
-    env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(root))
-    proc = subprocess.Popen([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "trainer.total_training_steps=200",
-                             f"trainer.save_freq={k}", "trainer.max_actor_ckpt_to_keep=2", *common],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.time() + 300
-        while not tracker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert tracker.exists(), "the run wrote no checkpoint"
-    finally:
-        proc.send_signal(signal.SIGINT)
+    def __init__(self, root, *overrides):
+        import queue
+        import threading
+
+        env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(root), RAY_DEDUP_LOGS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "verl_diffusion.main_flowgrpo", *overrides],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines, self.queue = [], queue.Queue()
+        self.err = []
+        threading.Thread(target=lambda: [self.queue.put(x) for x in self.proc.stdout] + [self.queue.put(None)],
+                         daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+
+    def wait_for(self, text, timeout=300):
+        import time
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                line = self.queue.get(timeout=1)
+            except Exception:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no line with {text!r}: {''.join(self.lines)[-3000:]} {''.join(self.err)[-3000:]}")
+
+    def finish(self, timeout=300):
         try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    last = int(tracker.read_text().strip())
-    assert last % k == 0 and last < 200
-    resumed, out = _run(root, f"trainer.total_training_steps={last + 1}", "trainer.resume_mode=auto", *common)
-    assert [r["step"] for r in resumed] == [last + 1], out[-2000:]
-    full, _ = _run(tmp_path / "full", f"trainer.total_training_steps={last + 1}", *common)
-    a, b = full[last], resumed[0]
-    for key in ("reward/mean", "reward/std", "advantages/abs_max", "loss", "grad_norm"):
-        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a[key], b[key])
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        while True:
+            line = self.queue.get(timeout=30)
+            if line is None:
+                break
+            self.lines.append(line)
+        return self.proc.returncode, "".join(self.lines), "".join(self.err)
+
+
+def _geneval_prompts(path):
+    """Tiny prompt file with GenEval ground truth per row (the server below scores coloured boxes)."""
+    metas = [{"tag": "colors", "include": [{"class": "cup", "count": 1, "color": c}], "prompt": f"a photo of a {c} cup"}
+             for c in ("red", "green", "blue", "yellow", "purple", "orange", "pink", "black")]
+    with open(path, "w") as f:
+        for m in metas:
+            f.write(json.dumps({"prompt": m["prompt"], "reward_model": {"ground_truth": json.dumps(m)}}) + "\n")
+    return str(path)
+
+
+def _geneval_server(die_after_train_requests=None):
+    """A loopback GenEval server (coloured-box scorer). With ``die_after_train_requests=k`` it stops listening while
+    answering the k-th training request (32 images), so the run's step k+1 is the first to find it gone."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from verl_diffusion.rewards.geneval_server import ColorBlobScorer, _handler
+
+    scorer, seen = ColorBlobScorer({"cup": (200, 0, 200)}), []
+
+    def score(images, metas, only_strict):
+        out = scorer(images, metas, only_strict)
+        if die_after_train_requests and len(images) == 32:
+            seen.append(1)
+            if len(seen) == die_after_train_requests:     # gone before this reply is sent: no race with step k+1
+                srv.shutdown()                              # (this handler runs in its own thread)
+                srv.server_close()
+        return out
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(score))
+    srv.daemon_threads = True
+    threading.Thread(target=lambda: srv.serve_forever(poll_interval=0.05), daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
+    """The jpeg reward trains; a GenEval server (weight 0: it changes no score, only the failure accounting) dies
+    after step 2. Run A reports `failed geneval 32/32` on each later step, warns once when the fault starts, and
+    stops after 2 failing steps (trainer.reward_failure_budget) with exit 3 and a checkpoint at step 4 (save_freq
+    is off), the end of an epoch (8 prompts, 4 per step), where verl skips the dataloader state. Run B (the same
+    command, a live server) resumes and is stopped by SIGTERM: it finishes its step, saves and exits 143. Run C
+    resumes again to the end; a rerun of C says the run is finished and touches nothing. metrics.jsonl holds
+    steps 0..L once each, equal to an uninterrupted run's; the step-0 validation images survive both resumes for
+    before/after."""
+    import signal
+
+    prompts = _geneval_prompts(tmp_path / "prompts.jsonl")
+    srv, url = _geneval_server(die_after_train_requests=2)
+    common = ["trainer.test_freq=1", "trainer.save_freq=-1", f"data.train_files=[{prompts}]",
+              f"data.val_files=[{prompts}]", "+reward.components.geneval=0.0",
+              "+reward.options.geneval.max_retries=0", "+reward.options.geneval.timeout=10",
+              "trainer.reward_failure_budget.max_consecutive_steps=2", *LEARN]
+    root = tmp_path / "killed"
+    run_dir = root / "tiny_cpu"
+    a = _Run(root, "trainer.total_training_steps=200", f"+reward.options.geneval.url={url}", *common)
+    try:
+        a.wait_for("WARNING: reward 'geneval' started failing at step 3: 32/32 samples")
+        rc, out, err = a.finish()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        if a.proc.poll() is None:
+            a.proc.kill()
+    assert rc == 3, (out[-3000:], err[-3000:])
+    failing = [ln for ln in out.splitlines() if ln.startswith("step ") and "failed geneval 32/32" in ln]
+    assert len(failing) == 2, out[-3000:]                              # the 2 steps of the budget, each reported
+    assert out.count("started failing") == 1 and "reward failure: reward 'geneval' failed" in err
+    stop_a = int(failing[-1].split("/")[0].split()[1])
+    assert stop_a == 4                              # 2 prompts' steps per epoch: B resumes at an epoch boundary
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(stop_a)
+    rows_a = _metrics(root)
+    assert [r["step"] for r in rows_a] == list(range(stop_a + 1))      # the step-0 validation, then every step
+    assert [r["reward/geneval/failures"] for r in rows_a[stop_a - 1:]] == [32.0, 32.0]
+
+    srv, url = _geneval_server()
+    try:
+        b = _Run(root, "trainer.total_training_steps=200", f"+reward.options.geneval.url={url}", *common)
+        try:
+            b.wait_for(f"step {stop_a + 1}/200")
+            b.proc.send_signal(signal.SIGTERM)
+            rc, out, err = b.finish()
+        finally:
+            if b.proc.poll() is None:
+                b.proc.kill()
+        assert rc == 143, (out[-3000:], err[-3000:])
+        assert f"resuming from {run_dir}/checkpoints/global_step_{stop_a}" in out and "failed geneval" not in out
+        stop_b = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+        assert stop_b > stop_a and f"stopped by SIGTERM after step {stop_b}" in out, (out[-3000:], err[-3000:])
+        end = stop_b + 1
+        rows, out = _run(root, f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}", *common)
+        full, _ = _run(tmp_path / "full", f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}",
+                       *common)
+        _, again = _run(root, f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}", *common)
+        assert f"already finished at step {end}" in again and _metrics(root) == rows   # says so, touches nothing
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [r["step"] for r in rows] == [r["step"] for r in full] == list(range(end + 1))
+    for a_row, b_row in zip(full[1:], rows[1:]):
+        for key in ("reward/mean", "reward/std", "advantages/abs_max", "loss", "grad_norm", "val/reward_mean"):
+            assert a_row[key] == pytest.approx(b_row[key], rel=1e-6, abs=1e-9), (a_row["step"], key)
+    assert rows[end]["reward/geneval/failures"] == 0.0
+    import torch
+
+    assert torch.load(run_dir / "validation" / "baseline.pt", weights_only=True)["step"] == 0
+    assert f"before_after: {run_dir}/before_after.png" in out and json.loads(
+        (run_dir / "run_state.json").read_text()) == {"status": "finished", "step": end}
 
 
 def test_lora_cfg_ema_off_policy_through_ray(tmp_path):
@@ -131,19 +258,6 @@ def test_losses_with_per_step_preparation_through_ray(tmp_path, mode):
     assert len(rows) == 2
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
-
-
-def test_resume_at_an_epoch_boundary(tmp_path):
-    """8 prompts / 4 per step = 2 steps per epoch: a checkpoint at step 4 ends an epoch, where verl does not restore
-    the dataloader; the epoch-seeded sampler still gives step 5 the prompts of the uninterrupted run."""
-    k = 4
-    common = ["trainer.test_freq=-1", "trainer.val_before_train=false", *LEARN]
-    _run(tmp_path / "b", f"trainer.total_training_steps={k}", f"trainer.save_freq={k}", *common)
-    resumed, out = _run(tmp_path / "b", f"trainer.total_training_steps={k + 1}", *common)
-    full, _ = _run(tmp_path / "a", f"trainer.total_training_steps={k + 1}", *common)
-    assert [r["step"] for r in resumed] == [k + 1], out[-2000:]
-    for key in ("reward/mean", "reward/std", "loss", "grad_norm"):
-        assert full[k][key] == pytest.approx(resumed[0][key], rel=1e-6, abs=1e-9), key
 
 
 def test_diffusion_nft_with_soft_old_policy_through_ray(tmp_path):

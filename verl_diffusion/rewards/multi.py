@@ -56,6 +56,7 @@ class RewardResult:
     failures: dict[str, int]  # name -> failed samples in this call
     metrics: dict[str, float]
     details: dict[str, torch.Tensor] = field(default_factory=dict)  # "name/detail" -> [B] float32
+    causes: dict[str, str] = field(default_factory=dict)  # name -> first cause of this call's failures
 
 
 # -- process-pool worker side ------------------------------------------------------------------------
@@ -189,8 +190,9 @@ class MultiReward:
             return
         self._logged.add((name, kind))
         logger.warning(
-            "reward %r failed on %d sample(s) (%s): %s. They get penalty %s; further failures of this kind are "
-            "only counted in reward/failures/%s.", name, n, kind, cause, self.penalty[name], name,
+            "reward %r failed on %d sample(s) (%s): %s. They get penalty %s; the trainer's progress line reports "
+            "every step's failures (reward/%s/failures) and warns when a fault starts or stops.",
+            name, n, kind, cause, self.penalty[name], name,
         )
 
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict] | None = None) -> RewardResult:
@@ -231,7 +233,7 @@ class MultiReward:
                     fut = pool.submit(_worker_score, name, deadline, *args)
                 pending[name].append((sl, fut))
 
-        components, details, failures, metrics = {}, {}, {}, {}
+        components, details, failures, metrics, first_causes = {}, {}, {}, {}, {}
         timed_out: dict[str, int] = {}
         for name, reward in self.rewards.items():
             values = np.full(n, np.nan)
@@ -267,6 +269,7 @@ class MultiReward:
             if nbad:
                 kind, cause = causes[0] if causes else ("non-finite", "the reward returned NaN or inf")
                 self._log_once(name, kind, cause, nbad)
+                first_causes[name] = str(cause)
             values[bad] = self.penalty[name]
             self.failure_totals[name] += nbad
             failures[name] = nbad
@@ -293,7 +296,8 @@ class MultiReward:
         if n:
             metrics["reward/score/mean"] = float(scores.mean())
             metrics["reward/score/std"] = float(scores.std(unbiased=False))
-        return RewardResult(scores=scores, components=components, failures=failures, metrics=metrics, details=details)
+        return RewardResult(scores=scores, components=components, failures=failures, metrics=metrics, details=details,
+                            causes=first_causes)
 
 
 def build_reward(

@@ -1,7 +1,11 @@
 """RayFlowGRPOTrainer: verl's ``RayPPOTrainer`` with the token-shaped parts replaced for images (DESIGN §3, §4).
 
-Reused from verl: ``__init__`` (config, role mapping, resource-pool manager), checkpoint save / load with
-``resume_mode`` (``global_step_<k>`` folders, the latest-iteration file, the dataloader state), tracking.
+Reused from verl: ``__init__`` (config, role mapping, resource-pool manager), the checkpoint layout
+(``global_step_<k>/actor`` written by the workers, ``data.pt``, the latest-iteration file; verl's loader for
+``resume_mode=resume_path``), tracking. Saving adds a manifest and an atomic tracker, and ``auto`` resumes from
+the newest complete checkpoint; the run directory, the per-step metrics file, reward-failure accounting and
+the graceful stop live in small trainer-independent modules (``run_dir``, ``checkpoints``, ``reward_health``,
+``signals``) that this class calls.
 Replaced: ``init_workers`` (our worker only; no LLM server stack), the dataloader (prompts, no tokenizer),
 ``fit`` and the helpers: response mask = ``train_mask``; advantages through verl's
 ``get_adv_estimator_fn`` on ``sample_level_rewards``; old log-probs = the rollout's on-policy (bypass),
@@ -27,9 +31,28 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.utils import Role
 
+from verl_diffusion.trainer.checkpoints import (
+    MANIFEST_NAME, ResumePoint, find_resume_checkpoint, list_step_dirs, step_dir, write_manifest, write_tracker)
 from verl_diffusion.trainer.dataset import EpochShuffleSampler, PromptDataset, collate_prompts
 from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
+from verl_diffusion.trainer.reward_health import (
+    RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
+from verl_diffusion.trainer.run_dir import BASELINE_NAME, METRICS_NAME, MetricsLog, RunDirError, write_run_state
+from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.validation import log_images, save_grid
+
+METADATA_KEYS = ("reward_model", "extra_info", "data_source")
+
+
+def row_metadata(non_tensor: dict, n: int) -> list[dict]:
+    """Per-row reward metadata (``reward_model`` with the ground truth, ``extra_info``, ``data_source``) of a
+    batch's non-tensor columns: what the rewards read, the same for training and validation."""
+    return [{k: non_tensor[k][i] for k in METADATA_KEYS if k in non_tensor} for i in range(n)]
+
+
+def warn(line: str) -> None:
+    """A warning on the progress stream (stdout, flushed), so it sits between the step lines it concerns."""
+    print(f"WARNING: {line}", flush=True)
 
 
 def branched_advantages(rewards: torch.Tensor, prompt_ids: torch.Tensor, branch_step: torch.Tensor,
@@ -81,6 +104,11 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         self.val_images: dict[int, torch.Tensor] = {}
+        self.metrics_log = MetricsLog(os.path.join(self.run_dir, METRICS_NAME))
+        self.resume_point: Optional[ResumePoint] = None   # set by main_flowgrpo's run plan; else found at load
+        self.reward_health = RewardHealth(RewardFailureBudget.from_dict(
+            config.trainer.get("reward_failure_budget", None)))
+        self._saved_step: Optional[int] = None
         super().__init__(config=config, tokenizer=None, role_worker_mapping=role_worker_mapping,
                          resource_pool_manager=resource_pool_manager, ray_worker_group_cls=ray_worker_group_cls,
                          device_name=device_name)
@@ -114,13 +142,74 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
             self.config.actor_rollout_ref.actor.optim.total_training_steps = total
 
     def _load_checkpoint(self):
-        """verl's resume; at an epoch boundary verl skips the dataloader state, so set the sampler's epoch from
-        the global step (the order of an epoch depends only on (seed, epoch))."""
-        out = super()._load_checkpoint()
+        """Resume from the newest complete checkpoint (checkpoints.find_resume_checkpoint; damaged newer ones and
+        a bad tracker are named in a warning). verl's loader is not used for ``auto``: it reads the tracker first
+        and crashes on an empty one. Existing checkpoints with none complete stop the run instead of training
+        from scratch over them. The dataloader state is restored except at an epoch boundary, where it marks the
+        epoch exhausted and the sampler's epoch is set from the global step instead (the order of an epoch
+        depends only on (seed, epoch)). metrics.jsonl keeps the rows up to the resumed step."""
+        trainer_cfg = self.config.trainer
+        mode = str(trainer_cfg.get("resume_mode", "auto"))
+        out = 0
+        if mode == "auto":
+            point = self.resume_point or find_resume_checkpoint(self._ckpt_dir())
+            if point.warning():
+                warn(point.warning())
+            if point.path is None and point.existing:
+                raise RunDirError(f"{self._ckpt_dir()} has checkpoints but none is complete ({point.warning()}); "
+                                  "pass trainer.overwrite=true to start from scratch over them")
+            if point.path is not None:
+                self.global_steps = int(point.step)
+                self.actor_rollout_wg.load_checkpoint(os.path.join(point.path, "actor"),
+                                                      del_local_after_load=bool(trainer_cfg.get(
+                                                          "del_local_ckpt_after_load", False)))
+                per_epoch = len(self.train_dataloader)
+                data = os.path.join(point.path, "data.pt")
+                if os.path.exists(data) and not (per_epoch and self.global_steps % per_epoch == 0):
+                    self.train_dataloader.load_state_dict(torch.load(data, weights_only=False))
+                if self.progress:
+                    print(f"resumed from {point.path} (step {self.global_steps})", flush=True)
+        elif mode != "disable":
+            out = super()._load_checkpoint()
         per_epoch = len(self.train_dataloader)
         if self.global_steps and per_epoch and self.global_steps % per_epoch == 0:
             self.train_sampler.set_epoch(self.global_steps // per_epoch)
+        if os.path.exists(self.metrics_log.path):
+            self.metrics_log.keep_until(int(self.global_steps))
         return out
+
+    def _ckpt_dir(self) -> str:
+        return os.path.abspath(str(self.config.trainer.default_local_dir))
+
+    def _save_checkpoint(self):
+        """verl's layout (``global_step_<k>/actor`` by the workers, ``data.pt``), then ``manifest.json`` listing
+        every file with its size, then the tracker, atomically (checkpoints.py): a save cut at any point leaves
+        the previous complete checkpoint as the newest complete one. Folders whose ``actor/`` verl pruned
+        (``trainer.max_actor_ckpt_to_keep``) go entirely."""
+        step = int(self.global_steps)
+        if self._saved_step == step:
+            return
+        ckpt_dir = self._ckpt_dir()
+        folder = step_dir(ckpt_dir, step)
+        if os.path.exists(os.path.join(folder, MANIFEST_NAME)):   # a stale one must not vouch for this save
+            os.remove(os.path.join(folder, MANIFEST_NAME))
+        hdfs = self.config.trainer.get("default_hdfs_dir", None)
+        remote = None if hdfs is None else os.path.join(str(hdfs), f"global_step_{step}", "actor")
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
+        self.actor_rollout_wg.save_checkpoint(os.path.join(folder, "actor"), remote, step, max_ckpt_to_keep=keep)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.train_dataloader.state_dict(), os.path.join(folder, "data.pt"))
+        write_manifest(folder)
+        write_tracker(ckpt_dir, step)
+        for old in list_step_dirs(ckpt_dir):
+            path = step_dir(ckpt_dir, old)
+            if old != step and not os.path.exists(os.path.join(path, "actor")):
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+        self._saved_step = step
+        if self.progress:
+            print(f"checkpoint: {folder}", flush=True)
 
     # ------------------------------------------------------------------ workers
 
@@ -169,9 +258,10 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         seed = int(self.config.trainer.get("seed", 0)) + step
         return DataProto.from_dict(non_tensors=rows, meta_info={"seed": seed, "iteration": step - 1})
 
-    def _compute_reward(self, batch: DataProto, images: torch.Tensor) -> dict[str, float]:
-        meta = [{k: batch.non_tensor_batch[k][i] for k in ("reward_model", "extra_info", "data_source")
-                 if k in batch.non_tensor_batch} for i in range(len(batch))]
+    def _compute_reward(self, batch: DataProto, images: torch.Tensor, step: int = 0) -> dict[str, float]:
+        """Score the step's images; failures per reward are counted, reported in the metrics and the progress
+        line, and a warning marks each fault's start and end (reward_health.RewardHealth)."""
+        meta = row_metadata(batch.non_tensor_batch, len(batch))
         res = self.reward_fn(images, list(batch.non_tensor_batch["prompt"]), meta)
         batch.batch["sample_level_rewards"] = res.scores.float()
         for name, c in res.components.items():
@@ -181,6 +271,11 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         out["rollout/group_image_std"] = group_image_std(images, batch.non_tensor_batch["uid"])
         out.update({f"reward/{k}" if not k.startswith("reward/") else k: float(v)
                     for k, v in (res.metrics or {}).items() if isinstance(v, (int, float))})
+        health, events = self.reward_health.update(step, res.failures or {}, len(batch),
+                                                   getattr(res, "causes", None))
+        out.update(health)
+        for line in events:
+            warn(line)
         return out
 
     def _compute_advantage(self, batch: DataProto) -> dict[str, float]:
@@ -285,11 +380,16 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
     # ------------------------------------------------------------------ validation
 
     def _validate(self, merged: bool = False) -> dict[str, float]:
-        """ODE images of the validation prompts with fixed seeds; a grid PNG per validation; val reward."""
+        """ODE images of the validation prompts with fixed seeds, scored with each prompt's own metadata (the
+        ground truth, as in training); ``val/reward_mean`` and every reward metric as ``val/<reward>/<detail>``
+        (e.g. GenEval's per-tag accuracy). A grid PNG per validation; the first validation's images are kept in
+        ``validation/baseline.pt`` so before/after compares with them across resumes."""
         batch = next(iter(self.val_dataloader))
         prompts = list(batch["prompt"])
+        meta = row_metadata(batch, len(prompts))
         n_val = int(self.config.trainer.get("val_num_images", len(prompts)) or len(prompts))
-        prompts = (prompts * ((n_val + len(prompts) - 1) // len(prompts)))[:n_val]
+        reps = (n_val + len(prompts) - 1) // len(prompts)
+        prompts, meta = (prompts * reps)[:n_val], (meta * reps)[:n_val]
         seeds = list(range(len(prompts)))
         pad = (-len(prompts)) % self.world_size
         rows = {"prompt": np.array(prompts + prompts[:pad], dtype=object),
@@ -299,16 +399,49 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         step = int(self.global_steps)
         self.val_images[step] = images
         path = save_grid(images, os.path.join(self.run_dir, "validation", f"step_{step:05d}.png"), scale=2)
+        baseline = os.path.join(self.run_dir, BASELINE_NAME)
+        if not os.path.exists(baseline):
+            torch.save({"step": step, "images": images.cpu()}, baseline + ".tmp")
+            os.replace(baseline + ".tmp", baseline)
         if getattr(self, "tracker", None) is not None:
             log_images(self.tracker, "val/images", images, step)
-        res = self.reward_fn(images, prompts, [{} for _ in prompts])
+        res = self.reward_fn(images, prompts, meta)
         metrics = {"val/reward_mean": float(res.scores.float().mean()), "val/num_images": float(len(prompts))}
+        metrics.update({"val/" + k[len("reward/"):]: float(v) for k, v in (res.metrics or {}).items()
+                        if k.startswith("reward/") and isinstance(v, (int, float))})
         self.val_history.append({"step": step, **metrics, "grid": path})
         return metrics
+
+    def refresh_artifacts(self) -> dict[str, str]:
+        """reward_curve.png from the whole metrics.jsonl (every segment of a resumed run) and before_after.png
+        (the first validation, from disk, vs the latest); called at every validation and at the end."""
+        from verl_diffusion.trainer.validation import save_before_after, save_reward_curve
+
+        out = {"metrics": self.metrics_log.path}
+        rows = self.metrics_log.rows()
+        train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+        val = [(r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r]
+        if train:
+            out["reward_curve"] = save_reward_curve(
+                [s for s, _ in train], [v for _, v in train], os.path.join(self.run_dir, "reward_curve.png"),
+                val_steps=[s for s, _ in val], val_rewards=[v for _, v in val])
+        baseline = os.path.join(self.run_dir, BASELINE_NAME)
+        if self.val_images and os.path.exists(baseline):
+            first = torch.load(baseline, weights_only=True)
+            last = max(self.val_images)
+            if last != int(first["step"]):
+                out["before_after"] = save_before_after(
+                    first["images"], self.val_images[last], os.path.join(self.run_dir, "before_after.png"),
+                    labels=(f"step {int(first['step'])}", f"step {last}"))
+        return out
 
     # ------------------------------------------------------------------ loop
 
     def fit(self):
+        """The training loop. Each step's metrics row is appended to metrics.jsonl as the step ends. SIGTERM /
+        SIGINT finish the step in flight, save a checkpoint and raise :class:`StopRequested`; a reward that
+        fails beyond ``trainer.reward_failure_budget`` saves a checkpoint and raises
+        :class:`RewardBudgetExceeded`; a finished run writes ``run_state.json`` (status finished)."""
         from verl.utils.tracking import Tracking
 
         cfg = self.config
@@ -319,28 +452,50 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         self._load_checkpoint()
         start_step = self.global_steps
         if cfg.trainer.get("val_before_train", True) and start_step == 0 and cfg.trainer.test_freq > 0:
-            logger.log(self._validate(), step=0)
+            val0 = self._validate()
+            logger.log(val0, step=0)
+            self.metrics_log.append({"step": 0, **val0})
         self.global_steps += 1
         done = self.global_steps > self.total_training_steps
-        while not done:
-            for batch_dict in self.train_dataloader:
-                step = int(self.global_steps)
-                metrics = self.train_step(batch_dict, step)
-                last = step >= self.total_training_steps
-                if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
-                    metrics.update(self._validate())
-                if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
-                    self._save_checkpoint()
-                logger.log(metrics, step=step)
-                self.history.append({"step": step, **metrics})
-                if self.progress:
-                    print(progress_line(step, self.total_training_steps, metrics), flush=True)
-                self.global_steps += 1
-                if last:
-                    done = True
-                    break
+        with GracefulStop() as stop:
+            while not done:
+                for batch_dict in self.train_dataloader:
+                    step = int(self.global_steps)
+                    try:
+                        metrics = self.train_step(batch_dict, step)
+                    except Exception as e:
+                        if stop.requested:      # the signal reached the workers too: the step is lost
+                            raise StopRequested(stop.signum, step - 1) from e
+                        raise
+                    last = step >= self.total_training_steps
+                    validated = cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last)
+                    if validated:
+                        metrics.update(self._validate())
+                    over_budget = self.reward_health.exceeded()
+                    if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
+                        self._save_checkpoint()
+                    logger.log(metrics, step=step)
+                    self.history.append({"step": step, **metrics})
+                    self.metrics_log.append({"step": step, **metrics})
+                    if validated:
+                        self.refresh_artifacts()
+                    if self.progress:
+                        print(progress_line(step, self.total_training_steps, metrics), flush=True)
+                    if stop.requested or over_budget:     # checked last: a signal may come at any point above
+                        self._save_checkpoint()             # (a no-op when this step is saved already)
+                        self.refresh_artifacts()
+                        reason = f"signal {stop.signum}" if stop.requested else over_budget
+                        write_run_state(self.run_dir, "stopped", step, reason=reason)
+                        if stop.requested:
+                            raise StopRequested(stop.signum, step)
+                        raise RewardBudgetExceeded(over_budget)
+                    self.global_steps += 1
+                    if last:
+                        done = True
+                        break
         if hasattr(logger, "finish"):
             logger.finish()
+        write_run_state(self.run_dir, "finished", int(self.history[-1]["step"]) if self.history else start_step)
         return self.history
 
     def train_step(self, batch_dict: dict, step: int) -> dict[str, float]:
@@ -354,7 +509,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         non_tensor = self._expand_branched(gen, out.batch, step) if branched else gen.non_tensor_batch
         batch = DataProto(batch=out.batch, non_tensor_batch=non_tensor, meta_info=dict(gen.meta_info))
         metrics.update({k: float(np.mean(v)) for k, v in out.meta_info.get("metrics", {}).items()})
-        metrics.update(self._compute_reward(batch, images))
+        metrics.update(self._compute_reward(batch, images, step))
         t_rew = time.perf_counter()
         from verl_diffusion.algos.advantages import group_ids_from_uids
 
@@ -384,5 +539,8 @@ def progress_line(step: int, total: int, m: dict) -> str:
                        ("actor/first_micro_log_ratio_abs_max", "|log ratio0|"), ("val/reward_mean", "val")):
         if key in m:
             parts.append(f"{label} {m[key]:.3g}")
+    failed = failure_summary(m)
+    if failed:
+        parts.append(failed)
     parts.append(f"{m.get('timing_s/step', 0.0):.1f}s")
     return " | ".join(parts)

@@ -1,0 +1,115 @@
+"""Per-step reward-failure accounting for the driver (issue 12 items 2 and 4; rewards: docs/rewards.md).
+
+A failed reward never raises: its samples get the penalty and are counted (``RewardResult.failures``). This
+module turns the counts into what a user watching a long run needs:
+
+* per step and per reward: ``reward/<name>/failures`` (samples) and ``reward/<name>/failure_fraction``, and a
+  progress-line part ``failed <name> 32/32`` on every step with failures;
+* a warning line when a reward's fault starts (first failing step after a healthy one, with the cause) and
+  when it stops (first healthy step, with how long it lasted);
+* a budget: ``max_consecutive_steps`` steps in a row whose failure fraction exceeds ``max_fraction`` for some
+  reward stop the run (the trainer saves a checkpoint, flushes the metrics and exits non-zero).
+
+Pure Python; the trainer calls :meth:`RewardHealth.update` once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+REWARD_FAILURE_EXIT = 3
+
+
+@dataclass
+class RewardFailureBudget:
+    """``trainer.reward_failure_budget``: stop after ``max_consecutive_steps`` consecutive steps in which some
+    reward failed on more than ``max_fraction`` of the samples. ``max_consecutive_steps`` null or 0: never stop."""
+
+    max_fraction: float = 0.5
+    max_consecutive_steps: Optional[int] = 10
+
+    @classmethod
+    def from_dict(cls, d: Optional[Mapping]) -> "RewardFailureBudget":
+        d = dict(d or {})
+        unknown = set(d) - {"max_fraction", "max_consecutive_steps"}
+        if unknown:
+            raise ValueError(f"trainer.reward_failure_budget: unknown keys {sorted(unknown)}; "
+                             "accepted: max_fraction, max_consecutive_steps")
+        frac = float(d.get("max_fraction", 0.5))
+        if not 0.0 <= frac < 1.0:
+            raise ValueError(f"trainer.reward_failure_budget.max_fraction={frac} must be in [0, 1) "
+                             "(0.5: more than half the samples failed)")
+        steps = d.get("max_consecutive_steps", 10)
+        steps = None if steps in (None, 0) else int(steps)
+        if steps is not None and steps < 0:
+            raise ValueError(f"trainer.reward_failure_budget.max_consecutive_steps={steps} must be >= 0 "
+                             "(0 or null: never stop)")
+        return cls(max_fraction=frac, max_consecutive_steps=steps)
+
+
+class RewardBudgetExceeded(RuntimeError):
+    """The reward-failure budget ran out; the message is the one line to print."""
+
+
+@dataclass
+class _State:
+    failing_since: Optional[int] = None     # first step of the current fault, None when healthy
+    over_budget_steps: int = 0              # consecutive steps above max_fraction
+
+
+@dataclass
+class RewardHealth:
+    """Failure state per reward over the steps of a run."""
+
+    budget: RewardFailureBudget = field(default_factory=RewardFailureBudget)
+    states: dict[str, _State] = field(default_factory=dict)
+
+    def update(self, step: int, failures: Mapping[str, int], num_samples: int,
+               causes: Optional[Mapping[str, str]] = None) -> tuple[dict[str, float], list[str]]:
+        """Account one step. Returns (metrics, warning lines for faults that started or stopped this step)."""
+        metrics: dict[str, float] = {}
+        events: list[str] = []
+        causes = causes or {}
+        n = max(int(num_samples), 1)
+        for name, count in failures.items():
+            count = int(count)
+            frac = count / n
+            metrics[f"reward/{name}/failures"] = float(count)
+            metrics[f"reward/{name}/failure_fraction"] = frac
+            st = self.states.setdefault(name, _State())
+            if count and st.failing_since is None:
+                st.failing_since = step
+                why = f": {causes[name]}" if causes.get(name) else ""
+                events.append(f"reward {name!r} started failing at step {step}: {count}/{num_samples} samples got "
+                              f"the penalty{why}")
+            elif not count and st.failing_since is not None:
+                events.append(f"reward {name!r} recovered at step {step} after failing since step "
+                              f"{st.failing_since} ({step - st.failing_since} steps)")
+                st.failing_since = None
+            st.over_budget_steps = st.over_budget_steps + 1 if frac > self.budget.max_fraction else 0
+        return metrics, events
+
+    def exceeded(self) -> Optional[str]:
+        """The one-line reason to stop when some reward used up the budget, else None."""
+        limit = self.budget.max_consecutive_steps
+        if not limit:
+            return None
+        for name, st in self.states.items():
+            if st.over_budget_steps >= limit:
+                return (f"reward {name!r} failed on more than {self.budget.max_fraction:.0%} of the samples for "
+                        f"{st.over_budget_steps} consecutive steps (trainer.reward_failure_budget."
+                        f"max_consecutive_steps={limit}); stopping")
+        return None
+
+
+def failure_summary(metrics: Mapping[str, float]) -> str:
+    """Progress-line part for the rewards that failed this step, e.g. ``failed geneval 32/32``; '' if none."""
+    parts = []
+    for key, value in metrics.items():
+        if key.startswith("reward/") and key.endswith("/failures") and value:
+            name = key[len("reward/"):-len("/failures")]
+            frac = metrics.get(f"reward/{name}/failure_fraction")
+            total = f"/{round(value / frac)}" if frac else ""
+            parts.append(f"{name} {int(value)}{total}")
+    return ("failed " + ", ".join(parts)) if parts else ""

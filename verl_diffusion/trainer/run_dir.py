@@ -1,0 +1,178 @@
+"""The run directory: what a run finds there decides what it does, and nothing is lost (issue 12 items 6-8).
+
+Layout (``trainer.run_dir``, default ``./outputs/<experiment_name>`` under the working directory)::
+
+    metrics.jsonl        one JSON row per step, appended and flushed every step (survives a kill)
+    reward_curve.png     redrawn at every validation from metrics.jsonl (so it spans resumes)
+    before_after.png     the first validation vs the latest, redrawn at every validation
+    validation/          step_<k>.png grids; baseline.pt = the first validation's images (uint8), kept for
+                         before/after across resumes
+    run_state.json       {"status": "finished" | "stopped", "step": k, ...}, written atomically
+    checkpoints/         trainer.default_local_dir (verl's global_step_<k> layout), see checkpoints.py
+
+:func:`plan_run` looks at that state before any Ray worker starts and returns one of: a new run, a resume
+(from the newest complete checkpoint), or "already finished" (exit 0, touch nothing). A run directory that
+holds an earlier run's outputs and nothing to resume from is refused with one line naming
+``trainer.overwrite=true``: a new run never destroys an old run's files unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from verl_diffusion.trainer.checkpoints import ResumePoint, atomic_write_text, check_checkpoint, find_resume_checkpoint
+
+METRICS_NAME = "metrics.jsonl"
+STATE_NAME = "run_state.json"
+BASELINE_NAME = os.path.join("validation", "baseline.pt")
+OUTPUT_NAMES = (METRICS_NAME, STATE_NAME, "reward_curve.png", "before_after.png", "validation")
+
+
+class RunDirError(ValueError):
+    """The run directory holds something this run must not overwrite; the message is one line."""
+
+
+@dataclass
+class RunPlan:
+    action: str                             # "new" | "resume" | "finished"
+    run_dir: str
+    ckpt_dir: str
+    resume: Optional[ResumePoint] = None
+    message: str = ""                       # the line to print (finished) or a warning (resume fell back)
+    finished_step: Optional[int] = None
+
+
+def read_run_state(run_dir: str) -> dict:
+    path = os.path.join(run_dir, STATE_NAME)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        return state if isinstance(state, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_run_state(run_dir: str, status: str, step: int, **extra: Any) -> str:
+    path = os.path.join(run_dir, STATE_NAME)
+    atomic_write_text(path, json.dumps({"status": status, "step": int(step), **extra}) + "\n")
+    return path
+
+
+def _metrics_steps(run_dir: str) -> int:
+    return len(MetricsLog(os.path.join(run_dir, METRICS_NAME)).rows())
+
+
+def _has_outputs(run_dir: str) -> bool:
+    if _metrics_steps(run_dir):
+        return True
+    val = os.path.join(run_dir, "validation")
+    return os.path.isdir(val) and bool(os.listdir(val))
+
+
+def plan_run(run_dir: str, ckpt_dir: str, *, total_steps: int, resume_mode: str = "auto",
+             resume_from_path: Optional[str] = None, overwrite: bool = False) -> RunPlan:
+    """What this run does with ``run_dir`` / ``ckpt_dir`` (see the module docstring). Raises RunDirError."""
+    if overwrite:
+        return RunPlan("new", run_dir, ckpt_dir, message="trainer.overwrite=true: replacing the earlier run's outputs")
+    state = read_run_state(run_dir)
+    if state.get("status") == "finished" and int(state.get("step", -1)) >= total_steps:
+        step = int(state["step"])
+        more = ("a larger trainer.total_training_steps (resumes from its last checkpoint), "
+                if find_resume_checkpoint(ckpt_dir).path else "")
+        return RunPlan("finished", run_dir, ckpt_dir, finished_step=step,
+                       message=f"this run already finished at step {step}: outputs in {run_dir} (metrics.jsonl, "
+                               f"reward_curve.png, before_after.png); nothing to do. To train more pass {more}"
+                               "trainer.overwrite=true (replaces it) or another trainer.experiment_name")
+    if resume_mode == "resume_path":
+        path = os.path.abspath(str(resume_from_path or ""))
+        why = check_checkpoint(path)
+        if why is not None:
+            raise RunDirError(f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint ({why})")
+        step = int(os.path.basename(path.rstrip("/")).split("global_step_")[-1])
+        return RunPlan("resume", run_dir, ckpt_dir, resume=ResumePoint(step, path))
+    point = find_resume_checkpoint(ckpt_dir)
+    replace = ("pass trainer.overwrite=true to replace it, or choose another trainer.experiment_name / "
+               "trainer.run_dir")
+    if resume_mode == "disable":
+        if point.existing or _has_outputs(run_dir):
+            raise RunDirError(f"{run_dir} holds an earlier run and trainer.resume_mode=disable would train from "
+                              f"scratch over it; {replace}")
+        return RunPlan("new", run_dir, ckpt_dir)
+    if resume_mode != "auto":
+        raise RunDirError(f"trainer.resume_mode={resume_mode!r} is unknown; choose auto, disable or resume_path")
+    if point.path is not None:
+        if point.step >= total_steps:
+            return RunPlan("finished", run_dir, ckpt_dir, resume=point, finished_step=point.step,
+                           message=f"this run is already trained to step {point.step} (checkpoint {point.path}; "
+                                   f"trainer.total_training_steps={total_steps}): outputs in {run_dir}; nothing to "
+                                   "do. Raise trainer.total_training_steps to continue it")
+        return RunPlan("resume", run_dir, ckpt_dir, resume=point, message=point.warning() or "")
+    if point.existing:
+        raise RunDirError(f"{ckpt_dir} has checkpoints but none is complete ({point.warning()}); refusing to train "
+                          f"from scratch over them: {replace}")
+    if _has_outputs(run_dir):
+        n = _metrics_steps(run_dir)
+        raise RunDirError(f"{run_dir} holds the outputs of an earlier run ({n} steps in {METRICS_NAME}) and no "
+                          f"checkpoint to resume from; {replace}")
+    return RunPlan("new", run_dir, ckpt_dir)
+
+
+def clear_outputs(run_dir: str, ckpt_dir: str) -> list[str]:
+    """trainer.overwrite=true: remove the earlier run's outputs and checkpoints (the tiny model, if any, stays)."""
+    removed = []
+    for name in OUTPUT_NAMES:
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        else:
+            continue
+        removed.append(path)
+    if os.path.isdir(ckpt_dir):
+        shutil.rmtree(ckpt_dir)
+        removed.append(ckpt_dir)
+    return removed
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one row per step, appended and flushed as each step ends.
+
+    On resume from step k, rows after k (steps the killed run did after its checkpoint) are dropped, since the
+    resumed run logs those steps again; rows up to k stay, so the file covers the whole run.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def rows(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        out = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue    # a line cut by a kill mid-write
+                if isinstance(row, dict):
+                    out.append(row)
+        return out
+
+    def keep_until(self, step: int) -> int:
+        """Drop rows with ``step`` > ``step`` (atomically). Returns the rows kept."""
+        rows = [r for r in self.rows() if int(r.get("step", 0)) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+        return len(rows)
+
+    def append(self, row: dict) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        clean = {k: v for k, v in row.items() if isinstance(v, (int, float, str, bool))}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,63 @@
+"""Graceful stop on SIGTERM / SIGINT in the driver (issue 12 item 10).
+
+Slurm and Kubernetes send SIGTERM before killing a job; Ctrl-C sends SIGINT. The first signal only sets a
+flag: the training loop finishes the step in flight, saves a checkpoint, flushes the metrics and exits with
+128 + the signal number (143 for SIGTERM, 130 for SIGINT), as shells report a signal death. A second signal
+restores the default handler and re-raises it, for a user who does not want to wait.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Optional
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(Exception):
+    """Raised by the loop after it saved its state because a signal asked it to stop."""
+
+    def __init__(self, signum: int, step: int):
+        self.signum, self.step = int(signum), int(step)
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class GracefulStop:
+    """Context manager: while active, SIGTERM / SIGINT set :attr:`signum` instead of killing the process.
+
+    Installs handlers only from the main thread (Python's rule); elsewhere it is inert.
+    """
+
+    def __init__(self, on_signal=None):
+        self.signum: Optional[int] = None
+        self._previous: dict[int, object] = {}
+        self._on_signal = on_signal
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:         # second signal: the default action, now
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        if self._on_signal is not None:
+            self._on_signal(signum)
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for s in HANDLED:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
