@@ -286,8 +286,12 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         """ODE images of the validation prompts with fixed seeds; a grid PNG per validation; val reward."""
         batch = next(iter(self.val_dataloader))
         prompts = list(batch["prompt"])
+        # Each prompt's ground truth, as training scores it (the shapes and GenEval rewards need it).
+        meta = [{k: batch[k][i] for k in ("reward_model", "extra_info", "data_source") if k in batch}
+                for i in range(len(prompts))]
         n_val = int(self.config.trainer.get("val_num_images", len(prompts)) or len(prompts))
-        prompts = (prompts * ((n_val + len(prompts) - 1) // len(prompts)))[:n_val]
+        reps = (n_val + len(prompts) - 1) // len(prompts)
+        prompts, meta = (prompts * reps)[:n_val], (meta * reps)[:n_val]
         seeds = list(range(len(prompts)))
         pad = (-len(prompts)) % self.world_size
         rows = {"prompt": np.array(prompts + prompts[:pad], dtype=object),
@@ -299,9 +303,14 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         path = save_grid(images, os.path.join(self.run_dir, "validation", f"step_{step:05d}.png"), scale=2)
         if getattr(self, "tracker", None) is not None:
             log_images(self.tracker, "val/images", images, step)
-        res = self.reward_fn(images, prompts, [{} for _ in prompts])
+        res = self.reward_fn(images, prompts, meta)
         metrics = {"val/reward_mean": float(res.scores.float().mean()), "val/num_images": float(len(prompts))}
+        # The reward's own metrics (e.g. reward/shapes/strict) as val/shapes/strict.
+        metrics.update({"val/" + k[len("reward/"):]: float(v) for k, v in (res.metrics or {}).items()
+                        if k.startswith("reward/") and isinstance(v, (int, float))})
         self.val_history.append({"step": step, **metrics, "grid": path})
+        if self.progress:
+            print(validation_line(step, metrics), flush=True)
         return metrics
 
     # ------------------------------------------------------------------ loop
@@ -373,6 +382,14 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                         "training/global_step": float(step),
                         "actor/train_fraction": float(batch.batch["train_mask"].float().mean())})
         return metrics
+
+
+def validation_line(step: int, m: dict) -> str:
+    """One line per validation: mean reward and every strict accuracy a reward reports (val/<reward>/strict)."""
+    parts = [f"validation step {step}", f"reward {m['val/reward_mean']:.4f}"]
+    for key in sorted(k for k in m if k.startswith("val/") and k.endswith("/strict")):  # per-tag keys end with the tag
+        parts.append(f"{key[len('val/'):]} {m[key]:.3f}")
+    return " | ".join(parts) + f" ({int(m['val/num_images'])} images, ODE)"
 
 
 def progress_line(step: int, total: int, m: dict) -> str:
