@@ -308,10 +308,15 @@ def write_artifacts(trainer, run_dir: str) -> dict:
     steps = [h["step"] for h in trainer.history if "reward/mean" in h]
     rewards = [h["reward/mean"] for h in trainer.history if "reward/mean" in h]
     if steps:
+        # A reward's overall strict accuracy (e.g. val/shapes/strict), when every validation has it.
+        acc = sorted(k for k in (trainer.val_history[0] if trainer.val_history else {})
+                     if k.startswith("val/") and k.endswith("/strict"))
         out["reward_curve"] = save_reward_curve(
             steps, rewards, os.path.join(run_dir, "reward_curve.png"),
             val_steps=[v["step"] for v in trainer.val_history],
-            val_rewards=[v["val/reward_mean"] for v in trainer.val_history])
+            val_rewards=[v["val/reward_mean"] for v in trainer.val_history],
+            val_accuracy=[v[acc[0]] for v in trainer.val_history] if acc else (),
+            accuracy_label=f"held-out {acc[0][len('val/'):]} (ODE)" if acc else "")
     if len(trainer.val_images) >= 2:
         first, last = min(trainer.val_images), max(trainer.val_images)
         out["before_after"] = save_before_after(trainer.val_images[first], trainer.val_images[last],
