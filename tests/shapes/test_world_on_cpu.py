@@ -123,3 +123,16 @@ def test_heldout_prompts_are_fixed_balanced_and_heldout():
     assert a == b and len(a) == 8 * len(TAGS)
     assert all(split_of(m) == "heldout" for _, m in a)
     assert {m["tag"] for _, m in a} == set(TAGS)
+
+
+def test_shapes_package_needs_numpy_only():
+    """The world and its detector import neither torch nor verl (the pretraining data loader and reward
+    processes stay light)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verl_diffusion.shapes\n"
+            "print(','.join(sorted({n.split('.')[0] for n in sys.modules})))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert not {"torch", "verl", "ray", "diffusers", "PIL"} & set(res.stdout.strip().split(","))

@@ -134,3 +134,15 @@ def test_branched_driver_step_advantages():
     # within (prompt, k): ±1 for distinct children (up to ε_adv), 0 for equal rewards
     assert expect[:2].tolist() == pytest.approx([-1.0, 1.0], abs=1e-3) and expect[2:4].tolist() == [0.0, 0.0]
     assert metrics["advantages/abs_max"] == pytest.approx(float(expect.abs().max()))
+
+
+def test_group_image_std_is_zero_for_identical_groups_and_the_pixel_std_otherwise():
+    from verl_diffusion.trainer.metrics import group_image_std
+
+    imgs = torch.zeros(4, 3, 2, 2, dtype=torch.uint8)
+    uids = np.array(["a", "a", "b", "b"], dtype=object)
+    assert group_image_std(imgs, uids) == 0.0
+    imgs[1] = 255  # group a: pixels 0 and 1 -> std 0.5 everywhere; group b identical -> 0
+    assert group_image_std(imgs, uids) == pytest.approx(0.25)
+    single = np.array(["a", "b", "c", "c"], dtype=object)  # groups of one do not count
+    assert group_image_std(imgs, single) == 0.0

@@ -28,7 +28,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.utils import Role
 
 from verl_diffusion.trainer.dataset import EpochShuffleSampler, PromptDataset, collate_prompts
-from verl_diffusion.trainer.metrics import advantage_summary, reduce_worker_metrics, reward_metrics
+from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.validation import log_images, save_grid
 
 
@@ -177,6 +177,8 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         for name, c in res.components.items():
             batch.batch[f"reward_components/{name}"] = c.float()
         out = reward_metrics(res.scores, batch.non_tensor_batch["uid"], res.components, res.failures)
+        # mode collapse / reward hacking shows as groups of near-identical images (benchmarks/compare_algorithms.py)
+        out["rollout/group_image_std"] = group_image_std(images, batch.non_tensor_batch["uid"])
         out.update({f"reward/{k}" if not k.startswith("reward/") else k: float(v)
                     for k, v in (res.metrics or {}).items() if isinstance(v, (int, float))})
         return out

@@ -63,6 +63,20 @@ def reward_metrics(rewards: torch.Tensor, group_ids: np.ndarray, components: Map
     return out
 
 
+def group_image_std(images: torch.Tensor, group_ids: np.ndarray) -> float:
+    """Within-group diversity of a rollout batch: for each group (prompt), the standard deviation of each
+    pixel value across the group's images, averaged over pixels and channels, in [0, 1] units of the image
+    range; then averaged over groups of two or more. 0 means every image of a group is the same (mode
+    collapse). images: [B, 3, H, W] uint8 (or float in [0, 1]); group_ids: [B]."""
+    x = images.detach().float()
+    if not images.is_floating_point():
+        x = x / 255.0
+    ids = np.asarray(group_ids)
+    stds = [float(x[torch.as_tensor(ids == g)].std(dim=0, unbiased=False).mean()) for g in np.unique(ids)
+            if int((ids == g).sum()) >= 2]
+    return float(np.mean(stds)) if stds else 0.0
+
+
 def advantage_summary(adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     a = adv[mask.bool()].float()
     if a.numel() == 0:

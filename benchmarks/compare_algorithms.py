@@ -1,0 +1,436 @@
+#!/usr/bin/env python
+"""The algorithm race on the shapes world (issue 9): every registered policy loss with its recipe's
+algorithm settings, the same model, prompts, rollout budget and seeds; held-out strict accuracy and reward
+at fixed budgets, rollouts to a target accuracy, s/step, peak memory and within-group diversity.
+
+    python benchmarks/compare_algorithms.py                                   # all algorithms, 3 seeds, both settings
+    python benchmarks/compare_algorithms.py --algorithms flow_grpo awm --seeds 0 --steps 20
+    python benchmarks/compare_algorithms.py --model /tmp/tiny_sd3 --config-name tiny_cpu --data /tmp/shapes \\
+        --algorithms flow_grpo --seeds 0 --steps 2 --eval-every 1 --settings single   # plumbing check
+
+Each run is the real trainer (``run_flowgrpo``: Ray, verl's workers) in this process, all runs in one Ray
+session. The base is ``--config-name`` (default ``shapes_cpu``, the default run: model, prompts, batch, group
+size, steps, resolution, learning rate, guidance); each algorithm replaces only its algorithm settings by
+those of its recipe (``ALGORITHMS``; the keys in ``ALGO_KEYS``: the loss and its knobs, the old-policy and EMA
+schedules, the trained-step fraction, the sampler, its noise level and window, the advantage settings).
+Learning rate, guidance, batch and group size stay the base's, so every algorithm gets the same rollouts
+per step and the same steps. The window is clipped to the base's number of steps; TempFlow's branched
+rollout gets ``n / num_children`` evenly spaced branch steps so it too draws ``n`` images per prompt.
+
+Settings: ``single`` (ppo_epochs 1: one update per rollout batch, on-policy) and ``multi``
+(``--multi-epochs`` updates per rollout batch, where ratio clipping is tested; by default only the ratio
+losses run it: ``--multi-algorithms``).
+
+Metrics come from the trainer: validation (``trainer.test_freq``, ODE, fixed seeds, the base's held-out
+prompts) gives the held-out strict accuracy (the first of ``VAL_STRICT_KEYS`` present) and reward
+(``val/reward_mean``); training steps give ``timing_s/step``, ``perf/worker_max_rss_gb`` and
+``rollout/group_image_std`` (within-group pixel std: 0 = mode collapse) and ``actor/log_ratio_abs_max``; the
+"strict drop from peak" column (best held-out accuracy minus the final one) shows training that collapses. Raw rows go to ``--jsonl`` (runs
+already there are skipped, so an interrupted race resumes); the table to ``--out`` and the curves to ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+# name -> (recipe whose algorithm settings it uses, extra overrides on top of them)
+ALGORITHMS: dict[str, tuple[str, list[str]]] = {
+    "flow_grpo": ("sd35_ocr_flowgrpo", []),
+    "flow_cps": ("sd35_ocr_flow_cps", []),
+    "grpo_guard": ("sd35_ocr_grpo_guard", []),
+    "flow_dppo": ("sd35_ocr_flow_dppo", []),
+    "flow_dppo_first_order": ("sd35_ocr_flow_dppo", ["actor_rollout_ref.actor.policy_loss.mask=first_order"]),
+    "flow_dppo_predictive": ("sd35_ocr_flow_dppo", ["actor_rollout_ref.actor.policy_loss.mask=predictive"]),
+    "dance_grpo": ("sd35_pickscore_dance_grpo", []),
+    "tempflow_grpo": ("sd35_pickscore_tempflow_grpo", []),
+    "diffusion_nft": ("sd35_ocr_diffusion_nft", []),
+    "awm": ("sd35_pickscore_awm", []),
+    "path_space_kde": ("sd35_pickscore_path_space", []),
+    # The other estimators take their preset's whole row (SPEC §7.7): clear the recipe's explicit kde-row knobs.
+    "path_space_det": ("sd35_pickscore_path_space", [
+        "actor_rollout_ref.actor.policy_loss.preset=ps_det", "actor_rollout_ref.actor.policy_loss.estimator=null",
+        "actor_rollout_ref.actor.policy_loss.w1_family=null", "actor_rollout_ref.actor.policy_loss.w2_family=null",
+        "actor_rollout_ref.actor.policy_loss.xt_source=null"]),
+    # P-S ran the stochastic estimator at η = 0.225 (a = √(2η) = 0.671, SPEC §9.1), the others at η = 0.005.
+    "path_space_sto": ("sd35_pickscore_path_space", [
+        "actor_rollout_ref.rollout.sde.noise_level=0.671", "actor_rollout_ref.actor.policy_loss.preset=ps_sto", "actor_rollout_ref.actor.policy_loss.estimator=null",
+        "actor_rollout_ref.actor.policy_loss.w1_family=null", "actor_rollout_ref.actor.policy_loss.w2_family=null",
+        "actor_rollout_ref.actor.policy_loss.xt_source=null"]),
+}
+MULTI_DEFAULT = ["flow_grpo", "grpo_guard", "flow_dppo", "flow_dppo_first_order", "flow_dppo_predictive"]
+
+# The algorithm settings a recipe contributes (everything else is the base's).
+ALGO_KEYS = (
+    "actor_rollout_ref.actor.policy_loss",
+    "actor_rollout_ref.actor.old_policy",
+    "actor_rollout_ref.actor.ema",
+    "actor_rollout_ref.actor.train_step_fraction",
+    "actor_rollout_ref.rollout.sde",
+    "actor_rollout_ref.rollout.branched",
+    "actor_rollout_ref.rollout.same_noise_per_group",
+    "algorithm.adv_estimator",
+    "algorithm.flow_grpo",
+)
+VAL_STRICT_KEYS = ("val/shapes/strict", "val/strict", "val/shapes/strict_accuracy", "val/strict_accuracy")
+VAL_REWARD_KEYS = ("val/shapes/mean", "val/reward_mean")
+
+
+# ---------------------------------------------------------------------------------------------------
+# configs
+# ---------------------------------------------------------------------------------------------------
+def compose(name: str, overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from verl_diffusion.main_flowgrpo import add_search_path
+
+    argv = ["main_flowgrpo"]
+    add_search_path(argv)
+    search = [a for a in argv if a.startswith("hydra.searchpath")]
+    # hydra finds a primary config only in the config dir: the package's (shapes_cpu, tiny_cpu) or recipes/
+    import verl_diffusion.config
+
+    package = Path(verl_diffusion.config.__file__).resolve().parent
+    config_dir = package if (package / f"{name}.yaml").is_file() else RECIPES
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return hydra_compose(config_name=name, overrides=[*search, *overrides])
+
+
+def _select(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _algorithm_settings(algo: str) -> str:
+    from omegaconf import OmegaConf
+
+    recipe, extra = ALGORITHMS[algo]
+    rc = compose(recipe, extra)
+    out = {}
+    for key in ALGO_KEYS:
+        v = _select(rc, key)
+        if v is not None:
+            out[key] = OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+    return json.dumps(out)
+
+
+def algorithm_settings(algo: str) -> dict:
+    """{key: value} of ALGO_KEYS from the algorithm's recipe with its extra overrides (a fresh copy)."""
+    return json.loads(_algorithm_settings(algo))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(name: str, overrides: tuple[str, ...]) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose(name, list(overrides)), resolve=False)
+
+
+def build_config(args, algo: str, setting: str, seed: int, run_root: str):
+    """The base config with the algorithm's recipe settings, this seed and setting, sized to the base's budget."""
+    from omegaconf import OmegaConf, open_dict
+
+    base = ["trainer.save_freq=-1", "trainer.val_before_train=true", "trainer.logger=[]"]
+    if args.model:
+        base.append(f"actor_rollout_ref.model.path={args.model}")
+    if args.data:
+        base += [f"data.train_files=[{os.path.join(args.data, 'train.parquet')}]",
+                 f"data.val_files=[{os.path.join(args.data, 'test.parquet')}]"]
+    if args.steps:
+        base.append(f"trainer.total_training_steps={args.steps}")
+    if args.eval_every:
+        base.append(f"trainer.test_freq={args.eval_every}")
+    cfg = OmegaConf.create(_composed(args.config_name, tuple([*base, *args.override])))
+    with open_dict(cfg):
+        cfg.trainer.seed, cfg.data.seed = int(seed), int(seed)
+        cfg.trainer.run_dir, cfg.trainer.default_local_dir = f"{run_root}/run", f"{run_root}/ckpt"
+        cfg.trainer.experiment_name = f"race_{algo}_{setting}_s{seed}"
+    with open_dict(cfg):
+        for key, value in algorithm_settings(algo).items():
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        if args.reward:
+            cfg.reward.components = {args.reward: 1.0}
+            cfg.reward.options = {}
+        arr = cfg.actor_rollout_ref
+        num_steps = int(arr.rollout.num_steps)
+        w = arr.rollout.sde.window
+        if str(w.get("mode", "none")) != "none":  # recipes size windows for their own step count
+            hi = num_steps if w.get("hi") is None else min(int(w.hi), num_steps)
+            lo = min(int(w.get("lo", 0) or 0), hi - 1)
+            w.hi = None if w.get("hi") is None else hi
+            w.lo = lo
+            w.size = max(1, min(int(w.size), hi - lo))
+        br = arr.rollout.get("branched", None)
+        if br is not None and bool(br.get("enabled", False)):
+            k = max(1, int(arr.rollout.n) // int(br.num_children))
+            br.branch_steps = sorted({int(round(x)) for x in np.linspace(0, num_steps - 2, k)})
+        arr.actor.ppo_epochs = 1 if setting == "single" else int(args.multi_epochs)
+        # the policy-loss configs read the sampler's noise level from the rollout (they are one recipe)
+    return cfg
+
+
+def rollouts_per_step(cfg) -> int:
+    arr = cfg.actor_rollout_ref
+    br = arr.rollout.get("branched", None)
+    if br is not None and bool(br.get("enabled", False)):
+        rows = len(br.branch_steps) * int(br.num_children)
+    else:
+        rows = int(arr.rollout.n)
+    return int(cfg.data.train_batch_size) * rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------------------
+def first_key(d: dict, keys) -> float:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return float(d[k])
+    for k in d:  # a validation that logs strict under another name
+        if k.startswith("val/") and k.endswith("strict") and keys is VAL_STRICT_KEYS:
+            return float(d[k])
+    return float("nan")
+
+
+def run_one(args, algo: str, setting: str, seed: int) -> dict:
+    from verl_diffusion.main_flowgrpo import run_flowgrpo
+
+    row = {"algorithm": algo, "setting": setting, "seed": seed}
+    t0 = time.time()
+    try:
+        cfg = build_config(args, algo, setting, seed, tempfile.mkdtemp(prefix=f"race_{algo}_"))
+        rps = rollouts_per_step(cfg)
+        summary = run_flowgrpo(cfg, finalize=False)
+        hist = summary["history"]
+        row.update(
+            rollouts_per_step=rps,
+            loss_mode=str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode),
+            ppo_epochs=int(cfg.actor_rollout_ref.actor.ppo_epochs),
+            steps=[int(h["step"]) for h in hist],
+            reward=[float(h.get("reward/mean", math.nan)) for h in hist],
+            train_strict=[float(h.get("reward/shapes/strict", math.nan)) for h in hist],
+            step_s=[float(h.get("timing_s/step", math.nan)) for h in hist],
+            rss_gb=[float(h.get("perf/worker_max_rss_gb", math.nan)) for h in hist],
+            diversity=[float(h.get("rollout/group_image_std", math.nan)) for h in hist],
+            log_ratio_max=[float(h.get("actor/log_ratio_abs_max", math.nan)) for h in hist],
+            val_steps=[int(v["step"]) for v in summary["val_history"]],
+            val_strict=[first_key(v, VAL_STRICT_KEYS) for v in summary["val_history"]],
+            val_reward=[first_key(v, VAL_REWARD_KEYS) for v in summary["val_history"]],
+            val_keys=sorted({k for v in summary["val_history"] for k in v if k.startswith("val/")}),
+        )
+    except Exception as e:  # one failed algorithm must not stop the race; its row says why
+        row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    row["wall_s"] = time.time() - t0
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# reporting
+# ---------------------------------------------------------------------------------------------------
+def _ms(values) -> str:
+    v = np.asarray([x for x in values if np.isfinite(x)], dtype=np.float64)
+    if v.size == 0:
+        return "—"
+    return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if v.size > 1 else f"{v.mean():.3f}"
+
+
+def summarise(rows: list[dict], target_gain: float, target: float | None) -> tuple[str, dict]:
+    """Markdown table per setting; returns (text, per-(setting, algorithm) aggregates for the plot)."""
+    ok = [r for r in rows if "error" not in r]
+    lines = []
+    base_vals = [r["val_strict"][0] for r in ok if r["val_steps"] and r["val_steps"][0] == 0]
+    base = float(np.nanmean(base_vals)) if base_vals and np.isfinite(base_vals).any() else float("nan")
+    tgt = target if target is not None else base + target_gain
+    lines.append(f"Base model (step 0, all runs): held-out strict {base:.3f}. Target accuracy: {tgt:.3f}.\n")
+    agg = {}
+    for setting in sorted({r["setting"] for r in ok}, key=lambda s: s != "single"):
+        srows = [r for r in ok if r["setting"] == setting]
+        epochs = sorted({r["ppo_epochs"] for r in srows})
+        evals = sorted(set.intersection(*[set(r["val_steps"]) for r in srows])) if srows else []
+        shown = [s for s in evals if s > 0]
+        if len(shown) > 3:
+            shown = [shown[len(shown) // 3 - 1], shown[2 * len(shown) // 3 - 1], shown[-1]]
+        rps = sorted({r["rollouts_per_step"] for r in srows})
+        lines.append(f"### Setting `{setting}` (ppo_epochs {epochs}; {rps} rollouts per step)\n")
+        head = ["algorithm", "seeds"] + [f"strict @ {s * rps[0]} rollouts" for s in shown] + [
+            f"reward @ {shown[-1] * rps[0] if shown else 0}", "rollouts to target (seeds reaching)", "s/step",
+            "peak RSS GB", "group diversity first→last", "max abs log-ratio", "strict drop from peak"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for algo in [a for a in ALGORITHMS if any(r["algorithm"] == a for r in srows)]:
+            ar = [r for r in srows if r["algorithm"] == algo]
+            cells = [algo, str(len(ar))]
+            for s in shown:
+                cells.append(_ms([r["val_strict"][r["val_steps"].index(s)] for r in ar]))
+            if shown:
+                cells.append(_ms([r["val_reward"][r["val_steps"].index(shown[-1])] for r in ar]))
+            else:
+                cells.append("—")
+            reach = []
+            for r in ar:
+                hit = [s for s, v in zip(r["val_steps"], r["val_strict"]) if s > 0 and np.isfinite(v) and v >= tgt]
+                if hit:
+                    reach.append(hit[0] * r["rollouts_per_step"])
+            cells.append(f"{np.mean(reach):.0f} ({len(reach)}/{len(ar)})" if reach else f"— (0/{len(ar)})")
+            cells.append(_ms([float(np.nanmean(r["step_s"][1:] or r["step_s"])) for r in ar]))
+            cells.append(_ms([float(np.nanmax(r["rss_gb"])) if np.isfinite(r["rss_gb"]).any() else math.nan for r in ar]))
+            q = lambda xs, first: xs[: max(1, len(xs) // 4)] if first else xs[-max(1, len(xs) // 4):]  # noqa: E731
+            d0 = np.nanmean([np.nanmean(q(r["diversity"], True)) for r in ar])
+            d1 = np.nanmean([np.nanmean(q(r["diversity"], False)) for r in ar])
+            cells.append(f"{d0:.3f} → {d1:.3f}")
+            lr = [np.nanmax(r.get("log_ratio_max") or [math.nan]) for r in ar]
+            cells.append(_ms([x for x in lr if np.isfinite(x)]))
+            # instability (e.g. ratio clipping failing over several epochs) shows as a final accuracy below the peak
+            cells.append(_ms([float(np.nanmax(r["val_strict"]) - r["val_strict"][-1]) for r in ar
+                              if np.isfinite(r["val_strict"]).any()]))
+            lines.append("| " + " | ".join(cells) + " |")
+            agg[(setting, algo)] = ar
+        lines.append("")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        lines.append("Failed runs:\n")
+        for r in failed:
+            lines.append(f"- {r['algorithm']} / {r['setting']} / seed {r['seed']}: {r['error'].splitlines()[0]}")
+        lines.append("")
+    return "\n".join(lines), agg
+
+
+def plot(agg: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({s for s, _ in agg}, key=lambda s: s != "single")
+    if not settings:
+        return
+    fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8), squeeze=False)
+    for j, setting in enumerate(settings):
+        for algo in [a for a in ALGORITHMS if (setting, a) in agg]:
+            ar = agg[(setting, algo)]
+            steps = sorted(set.intersection(*[set(r["val_steps"]) for r in ar]))
+            x = [s * ar[0]["rollouts_per_step"] for s in steps]
+            ys = np.asarray([[r["val_strict"][r["val_steps"].index(s)] for s in steps] for r in ar])
+            line, = axes[0, j].plot(x, np.nanmean(ys, 0), marker="o", ms=3, label=algo)
+            if len(ar) > 1:
+                sd = np.nanstd(ys, 0, ddof=1)
+                axes[0, j].fill_between(x, np.nanmean(ys, 0) - sd, np.nanmean(ys, 0) + sd, alpha=0.15,
+                                        color=line.get_color())
+            n = min(len(r["reward"]) for r in ar)
+            rw = np.asarray([r["reward"][:n] for r in ar])
+            xr = [s * ar[0]["rollouts_per_step"] for s in ar[0]["steps"][:n]]
+            axes[1, j].plot(xr, np.nanmean(rw, 0), label=algo, color=line.get_color())
+        axes[0, j].set_title(f"held-out strict accuracy ({setting})")
+        axes[1, j].set_title(f"train reward ({setting})")
+        for i in range(2):
+            axes[i, j].set_xlabel("rollouts (images)")
+            axes[i, j].grid(alpha=0.3)
+        axes[0, j].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="diffusers model directory (default: the base config's model)")
+    ap.add_argument("--config-name", default="shapes_cpu", help="base config (default: %(default)s)")
+    ap.add_argument("--data", help="directory with train.parquet / test.parquet (data_process/shapes.py); "
+                                   "default: the base config's prompt files")
+    ap.add_argument("--reward", help="reward name replacing the base's components (default: the base's)")
+    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    ap.add_argument("--multi-algorithms", nargs="+", default=MULTI_DEFAULT, choices=list(ALGORITHMS),
+                    help="algorithms of the multi-epoch setting (default: the ratio losses)")
+    ap.add_argument("--settings", nargs="+", default=["single", "multi"], choices=["single", "multi"])
+    ap.add_argument("--multi-epochs", type=int, default=4, help="ppo_epochs of the multi setting (default: %(default)s)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, help="training steps per run (default: the base's)")
+    ap.add_argument("--eval-every", type=int, help="validation every N steps (default: the base's test_freq)")
+    ap.add_argument("--target", type=float, help="held-out strict accuracy target (default: base + --target-gain)")
+    ap.add_argument("--target-gain", type=float, default=0.10)
+    ap.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for every run")
+    ap.add_argument("--jsonl", default=str(REPO / "benchmarks" / "results" / "compare_algorithms.jsonl"),
+                    help="raw rows; runs already in it are skipped (default: %(default)s)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "compare_algorithms.md"))
+    ap.add_argument("--png", default=str(REPO / "docs" / "images" / "compare_algorithms.png"))
+    ap.add_argument("--report-only", action="store_true", help="rebuild the table and curves from --jsonl")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from verl_diffusion.main_flowgrpo import select_platform
+
+    select_platform()  # VERL_PLATFORM=cpu without an accelerator, before verl is first imported
+    rows: list[dict] = []
+    if os.path.exists(args.jsonl):
+        rows = [json.loads(ln) for ln in open(args.jsonl) if ln.strip()]
+    done = {(r["algorithm"], r["setting"], r["seed"]) for r in rows if "error" not in r}
+    plan = [(a, s, seed) for s in args.settings for a in (args.algorithms if s == "single" else
+                                                            [m for m in args.multi_algorithms if m in args.algorithms])
+            for seed in args.seeds if (a, s, seed) not in done]
+    if plan and not args.report_only:
+        import ray
+
+        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "VERL_LOGGING_LEVEL": "WARN"}
+        if os.environ.get("VERL_PLATFORM"):
+            env["VERL_PLATFORM"] = os.environ["VERL_PLATFORM"]
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+                 **({"num_cpus": max(2, os.cpu_count() or 1)} if env.get("VERL_PLATFORM") == "cpu" else {}))
+        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
+        try:
+            for i, (algo, setting, seed) in enumerate(plan):
+                row = run_one(args, algo, setting, seed)
+                msg = row.get("error", "").splitlines()[0] if "error" in row else (
+                    f"held-out strict {row['val_strict'][0]:.3f} -> {row['val_strict'][-1]:.3f}, "
+                    f"reward {row['reward'][0]:.3f} -> {row['reward'][-1]:.3f}")
+                print(f"[{i + 1}/{len(plan)}] {algo} {setting} seed {seed} ({row['wall_s']:.0f}s): {msg}", flush=True)
+                rows = [r for r in rows if (r["algorithm"], r["setting"], r["seed"]) != (algo, setting, seed)] + [row]
+                with open(args.jsonl, "w") as f:
+                    for r in rows:
+                        f.write(json.dumps(r, default=float) + "\n")
+        finally:
+            ray.shutdown()
+    wanted = [r for r in rows if r["algorithm"] in args.algorithms and r["setting"] in args.settings
+              and r["seed"] in args.seeds]
+    text, agg = summarise(wanted, args.target_gain, args.target)
+    cmd = "python benchmarks/compare_algorithms.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    doc = (f"# Algorithm race on the shapes world\n\nCommand: `{cmd.strip()}`\n\n"
+           f"Base config `{args.config_name}`{' with model ' + args.model if args.model else ''}; seeds {args.seeds}; "
+           f"curves: `{_shown_path(args.png)}`.\n\n{text}")
+    print(doc)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        Path(args.out).write_text(doc)
+    if args.png and agg:
+        plot(agg, args.png)
+    return 0 if all("error" not in r for r in wanted) else 1
+
+
+def _shown_path(path: str | None) -> str:
+    if not path:
+        return "-"
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""benchmarks/compare_algorithms.py stays runnable: it races every registered policy loss, each algorithm's
+config (base + its recipe's algorithm settings) passes the trainer's validation, and every algorithm gets
+the same rollouts per step. The race itself (Ray, minutes per run) is not run here."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def race():
+    spec = importlib.util.spec_from_file_location("compare_algorithms", REPO / "benchmarks" / "compare_algorithms.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["compare_algorithms"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    from verl_diffusion.models.tiny import save_tiny
+
+    root = tmp_path_factory.mktemp("race")
+    save_tiny("sd3", root / "model", seed=0, sample_size=16)
+    sys.path.insert(0, str(REPO / "data_process"))
+    spec = importlib.util.spec_from_file_location("dp_shapes", REPO / "data_process" / "shapes.py")
+    dp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dp)
+    assert dp.main(["--output", str(root / "data"), "--train-size", "16", "--test-per-tag", "1"]) == 0
+    return root
+
+
+def test_every_registered_policy_loss_is_raced(race):
+    from verl_diffusion.algos.losses import LOSSES, load_builtin_losses
+
+    load_builtin_losses()
+    modes = {race.algorithm_settings(a)["actor_rollout_ref.actor.policy_loss"]["loss_mode"] for a in race.ALGORITHMS}
+    assert set(LOSSES) <= modes
+    assert set(race.MULTI_DEFAULT) <= set(race.ALGORITHMS)
+
+
+def test_each_algorithm_config_validates_with_the_same_budget(race, tiny_setup):
+    from verl_diffusion.main_flowgrpo import prepare_config, validate_config
+
+    args = race.parse_args(["--model", str(tiny_setup / "model"), "--config-name", "tiny_cpu", "--data",
+                            str(tiny_setup / "data"), "--reward", "shapes", "--steps", "3"])
+    budgets = set()
+    for algo in race.ALGORITHMS:
+        for setting in ("single", "multi") if algo == "flow_dppo" else ("single",):
+            cfg = race.build_config(args, algo, setting, 1, str(tiny_setup / "runs" / algo))
+            prepare_config(cfg)
+            validate_config(cfg)
+            budgets.add(race.rollouts_per_step(cfg))
+            assert cfg.actor_rollout_ref.actor.ppo_epochs == (1 if setting == "single" else 4)
+            assert cfg.trainer.seed == 1 and cfg.data.seed == 1 and cfg.trainer.total_training_steps == 3
+            assert dict(cfg.reward.components) == {"shapes": 1.0}
+    assert len(budgets) == 1
+    kde = race.build_config(args, "path_space_sto", "single", 0, str(tiny_setup / "runs" / "x"))
+    assert kde.actor_rollout_ref.actor.policy_loss.preset == "ps_sto"
+    assert kde.actor_rollout_ref.rollout.sde.noise_level == pytest.approx(0.671)
+
+
+def test_summary_table_and_rollouts_to_target(race):
+    def row(algo, seed, strict):
+        return {"algorithm": algo, "setting": "single", "seed": seed, "rollouts_per_step": 32, "ppo_epochs": 1,
+                "steps": [1, 2, 3, 4], "reward": [0.1, 0.2, 0.3, 0.4], "train_strict": [0.0] * 4,
+                "step_s": [9.0, 1.0, 1.0, 1.0], "rss_gb": [0.5, 0.6, 0.6, 0.7], "diversity": [0.2, 0.2, 0.1, 0.1],
+                "val_steps": [0, 2, 4], "val_strict": strict, "val_reward": [0.3, 0.4, 0.5],
+                "log_ratio_max": [0.0, 0.1, 0.3, 0.2]}
+
+    rows = [row("flow_grpo", 0, [0.2, 0.3, 0.5]), row("flow_grpo", 1, [0.2, 0.3, 0.25]), row("awm", 0, [0.2, 0.4, 0.4])]
+    text, agg = race.summarise(rows, target_gain=0.15, target=None)
+    assert "held-out strict 0.200" in text and "Target accuracy: 0.350" in text
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("| flow_grpo") or ln.startswith("| awm")}
+    assert "0.375 ± 0.177" in lines["flow_grpo"]        # strict at step 4 (128 rollouts): mean ± sd of 0.5, 0.25
+    assert "128 (1/2)" in lines["flow_grpo"] and "64 (1/1)" in lines["awm"]
+    assert "| 1.000 |" in lines["awm"] and "0.700" in lines["awm"]   # s/step without the first step; peak RSS
+    assert "0.200 → 0.100" in lines["awm"]
+    assert lines["flow_grpo"].endswith("| 0.300 ± 0.000 | 0.025 ± 0.035 |")   # max |log ratio|; drops 0 and 0.05
+
+
+def test_package_configs_compose_as_the_base(race):
+    """The default base (shapes_cpu) is a package config, not a recipe: hydra must find it as primary."""
+    cfg = race.compose("flowgrpo_trainer", [])   # in verl_diffusion/config only
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "flow_grpo"
