@@ -78,6 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-steps", type=int, default=20, help="ODE steps")
     p.add_argument("--final-eval-prompts", type=int, default=256, help="per split, for the manifest")
     p.add_argument("--skip-vae", default=None, help="reuse a trained VAE from this pipeline directory")
+    p.add_argument("--eval-only", default=None, help="only evaluate this saved model directory (per tag, grid PNG)")
     return p.parse_args(argv)
 
 
@@ -197,10 +198,9 @@ class PromptCache:
 
 
 @torch.no_grad()
-def evaluate(adapter, world, eval_sets, args, *, guidance_scale: float = 1.0):
-    """Strict accuracy and mean reward per split, ODE sampler (Euler on the adapter's grid), fixed noise."""
-    from verl_diffusion.models.base import Conditioning
-
+def evaluate(adapter, world, eval_sets, args, *, guidance_scale: float = 1.0, images_out: dict | None = None):
+    """Strict accuracy and mean reward per split (and strict accuracy per tag), ODE sampler (Euler on the
+    adapter's grid), fixed noise. ``images_out`` receives each split's uint8 images."""
     out = {}
     for split, (prompts, mds, noise) in eval_sets.items():
         grid = adapter.sampling_grid(args.eval_steps, args.size, args.size)
@@ -213,8 +213,13 @@ def evaluate(adapter, world, eval_sets, args, *, guidance_scale: float = 1.0):
             x = x + (grid[k + 1] - grid[k]) * v
         imgs = adapter.decode(x).permute(0, 2, 3, 1).numpy()
         scores = [world.score(im, m) for im, m in zip(imgs, mds)]
+        tags = sorted({m["tag"] for m in mds})
         out[split] = {"strict": float(np.mean([s.strict for s in scores])),
-                      "reward": float(np.mean([s.reward for s in scores]))}
+                      "reward": float(np.mean([s.reward for s in scores])),
+                      "strict_per_tag": {t: float(np.mean([s.strict for s, m in zip(scores, mds) if m["tag"] == t]))
+                                         for t in tags}}
+        if images_out is not None:
+            images_out[split] = imgs
     return out
 
 
@@ -229,9 +234,30 @@ def eval_sets(world, adapter, n, seed, size):
     return sets
 
 
+def eval_only(args):
+    """``--eval-only DIR``: the saved model's accuracy per split and tag on ``--final-eval-prompts`` prompts per
+    split, and a grid PNG of the first 32 held-out samples (DIR/../<name>_heldout.png)."""
+    from verl_diffusion.models.sd3 import SD3Adapter
+    from verl_diffusion.trainer.validation import save_grid
+
+    world = World(args.world, args.size)
+    adapter = SD3Adapter.from_pretrained(args.eval_only)
+    sets = eval_sets(world, adapter, args.final_eval_prompts, args.seed + 1, args.size)
+    images = {}
+    res = evaluate(adapter, world, sets, args, images_out=images)
+    print(json.dumps(res, indent=1))
+    path = Path(args.eval_only).resolve()
+    grid = save_grid(torch.from_numpy(images["heldout"][:32]).permute(0, 3, 1, 2),
+                     str(path.parent / f"{path.name}_heldout.png"), cols=8, scale=3)
+    print("prompts:", sets["heldout"][0][:32])
+    print("grid:", grid)
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.eval_only:
+        return eval_only(args)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     world = World(args.world, args.size)
