@@ -48,10 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(REPO / "verl_diffusion" / "assets" / "shapes_sd3"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", type=int, default=32, help="image side in pixels")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: robust on a shared machine)")
     p.add_argument("--world", default="verl_diffusion.shapes", help="module with the world and score API")
     # VAE
-    p.add_argument("--vae-steps", type=int, default=1500)
+    p.add_argument("--vae-steps", type=int, default=2500)
     p.add_argument("--vae-batch", type=int, default=32)
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--vae-channels", type=int, default=16)
@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--vae-kl", type=float, default=1e-6)
     p.add_argument("--vae-check", type=int, default=256, help="renders scored before/after the VAE round trip")
     # transformer
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=200)
