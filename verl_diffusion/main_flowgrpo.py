@@ -328,7 +328,7 @@ def write_artifacts(trainer, run_dir: str) -> dict:
 def _hydra_main():
     import hydra
 
-    @hydra.main(config_path="config", config_name="shapes_cpu", version_base="1.3")  # 1.3: no chdir
+    @hydra.main(config_path="config", config_name="tiny_cpu", version_base="1.3")  # 1.3: no chdir
     def entry(cfg) -> None:
         try:
             summary = run_flowgrpo(cfg)
