@@ -11,8 +11,8 @@ at fixed budgets, rollouts to a target accuracy, s/step, peak memory and within-
 Each run is the real trainer (``run_flowgrpo``: Ray, verl's workers) in this process, all runs in one Ray
 session. The base is ``--config-name`` (default ``shapes_cpu``, the default run: model, prompts, batch, group
 size, steps, resolution, learning rate, guidance); each algorithm replaces only its algorithm settings by
-those of its recipe (``ALGORITHMS``; the keys in ``ALGO_KEYS``: the loss and its knobs, the old-policy and EMA
-schedules, the trained-step fraction, the sampler, its noise level and window, the advantage settings).
+those of its recipe (``ALGORITHMS``; the keys in ``ALGO_KEYS``: the loss and its knobs, the old-policy
+schedule, the trained-step fraction, the sampler, its noise level and window, the advantage settings).
 Learning rate, guidance, batch and group size stay the base's, so every algorithm gets the same rollouts
 per step and the same steps. The window is clipped to the base's number of steps; TempFlow's branched
 rollout gets ``n / num_children`` evenly spaced branch steps so it too draws ``n`` images per prompt.
@@ -73,11 +73,11 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
 }
 MULTI_DEFAULT = ["flow_grpo", "grpo_guard", "flow_dppo", "flow_dppo_first_order", "flow_dppo_predictive"]
 
-# The algorithm settings a recipe contributes (everything else is the base's).
+# The algorithm settings a recipe contributes (everything else is the base's). Not the evaluation EMA
+# (actor.ema): it only changes which weights validation samples, and a slow EMA would delay every curve.
 ALGO_KEYS = (
     "actor_rollout_ref.actor.policy_loss",
     "actor_rollout_ref.actor.old_policy",
-    "actor_rollout_ref.actor.ema",
     "actor_rollout_ref.actor.train_step_fraction",
     "actor_rollout_ref.rollout.sde",
     "actor_rollout_ref.rollout.branched",

@@ -27,6 +27,11 @@ per query, R replicates of
   deterministic: x0 from the model's SDE completed from x_t (a posterior draw), ((1−t)/t)·ĝ_det;
   KDE: that x0 as the anchor + G−1 members drawn from the pool (other trajectories), ((1−t)/t)·ĝ_kde.
 Variance as above; bias² of the others = ‖mean − deterministic mean‖² (per element) minus both finite-R terms.
+The SDE runs at η = 1 (a = √2) by default: the exact time reversal, so its posterior draws are the
+forward-noising posterior the deterministic and KDE estimators assume. The pool is fixed per prompt, so the
+KDE mean also carries the pool's own sampling error (smaller with a larger --pool).
+tests/benchmarks/test_estimator_variance_on_cpu.py checks this code on a Gaussian endpoint law with an
+exact velocity, where ∇V is known.
 
 Run:  python benchmarks/estimator_variance.py --model verl_diffusion/assets/shapes_sd3 [--out FILE]
 """
@@ -198,6 +203,44 @@ class ModelWorld:
         return torch.tensor([score(im, self.meta).reward for im in arr], dtype=torch.float64)
 
 
+def cell_estimates(w, xq, k, x0_pool, A_pool, adv, *, R, G, hs):
+    """R replicates of each estimator of ∇V at each query state xq [Q, *] of step k: {name: [Q, R, d]}.
+
+    w: the world (velocity, coef, noise, run); x0_pool [M, *] and A_pool [M] the endpoint pool (query i is
+    pool trajectory i, so its own endpoint is never a KDE member); adv(x0) the advantage of fresh endpoints.
+    """
+    Q, M, gen = xq.shape[0], x0_pool.shape[0], w.gen
+    d = xq[0].numel()
+    t = float(w.grid[k])
+    v_old = w.velocity(xq, k)
+    xr = xq.repeat_interleave(R, 0)
+    vr = v_old.repeat_interleave(R, 0)
+    tt = torch.full((Q * R,), t, dtype=torch.float64)
+    c = w.coef(k)
+    z = w.noise(xr)
+    x_next = sde.step_mean(xr, vr, c).double() + float(c.std) * z
+    x0s, _ = w.run(x_next, k + 1)
+    est = {"stochastic": (1.0 / float(c.std)) * ps.stochastic_direction(adv(x0s), z).reshape(Q * R, -1)}
+    x0d, _ = w.run(xr, k)
+    ad = adv(x0d)
+    s_t = ((1 - tt) / tt)[:, None]
+    est["deterministic"] = s_t * ps.deterministic_direction(xr, tt, x0d, vr, ad).reshape(Q * R, -1)
+    # KDE: anchor = the posterior draw, G−1 members from the pool, never the query's own trajectory
+    idx = torch.stack([torch.randperm(M - 1, generator=gen)[: G - 1] for _ in range(Q * R)])
+    own = torch.arange(Q).repeat_interleave(R)[:, None]
+    idx = idx + (idx >= own).long()
+    members = torch.cat([x0d.reshape(Q * R, 1, d), x0_pool.reshape(M, d)[idx]], 1).reshape(Q * R * G, d)
+    A = torch.cat([ad[:, None], A_pool[idx]], 1).reshape(-1)
+    xg = xr.reshape(Q * R, 1, d).expand(Q * R, G, d).reshape(-1, d)
+    vg = vr.reshape(Q * R, 1, d).expand(Q * R, G, d).reshape(-1, d)
+    gid = torch.arange(Q * R).repeat_interleave(G)
+    for h in hs:
+        g = ps.kde_value_gradient(xg, torch.full((Q * R * G,), t, dtype=torch.float64), members, vg, A, gid,
+                                  bandwidth=h).view(Q * R, G, d)[:, 0]
+        est[f"kde_h={h:g}"] = s_t * g
+    return {n: e.reshape(Q, R, d) for n, e in est.items()}
+
+
 def model_scale(args):
     """Estimator variance / bias on a flow model; returns rows of per-(prompt, step) stats."""
     import numpy as np
@@ -229,35 +272,7 @@ def model_scale(args):
         hs = sorted({1.0, d / 2000.0})
         for k in steps:
             t = float(w.grid[k])
-            xq = states[k][:Q]
-            v_old = w.velocity(xq, k)
-            xr = xq.repeat_interleave(R, 0)
-            vr = v_old.repeat_interleave(R, 0)
-            tt = torch.full((Q * R,), t, dtype=torch.float64)
-            c = w.coef(k)
-            z = w.noise(xr)
-            x_next = sde.step_mean(xr, vr, c).double() + float(c.std) * z
-            x0s, _ = w.run(x_next, k + 1)
-            est = {"stochastic": (1.0 / float(c.std)) * ps.stochastic_direction(adv(x0s), z)}
-            x0d, _ = w.run(xr, k)
-            ad = adv(x0d)
-            s_t = ((1 - tt) / tt)[:, None]
-            est["deterministic"] = s_t * ps.deterministic_direction(xr, tt, x0d, vr, ad).reshape(Q * R, -1)
-            # KDE: anchor = the posterior draw, G−1 members from the pool, never the query's own trajectory
-            A_pool = (r - mu) / (sd + 1e-4)
-            idx = torch.stack([torch.randperm(M - 1, generator=gen)[: G - 1] for _ in range(Q * R)])
-            own = torch.arange(Q).repeat_interleave(R)[:, None]
-            idx = idx + (idx >= own).long()
-            members = torch.cat([x0d[:, None], x0_pool[idx]], 1).reshape(Q * R * G, -1)
-            A = torch.cat([ad[:, None], A_pool[idx]], 1).reshape(-1)
-            xg = xr.reshape(Q * R, 1, -1).expand(Q * R, G, d).reshape(-1, d)
-            vg = vr.reshape(Q * R, 1, -1).expand(Q * R, G, d).reshape(-1, d)
-            gid = torch.arange(Q * R).repeat_interleave(G)
-            for h in hs:
-                g = ps.kde_value_gradient(xg, torch.full((Q * R * G,), t, dtype=torch.float64), members, vg, A, gid,
-                                          bandwidth=h).view(Q * R, G, d)[:, 0]
-                est[f"kde_h={h:g}"] = s_t * g
-            est = {n: e.reshape(Q, R, d) for n, e in est.items()}
+            est = cell_estimates(w, states[k][:Q], k, x0_pool, (r - mu) / (sd + 1e-4), adv, R=R, G=G, hs=hs)
             ref = est["deterministic"].mean(1)
             var_ref = est["deterministic"].var(1).mean(-1)
             row = {"prompt": prompt, "tag": meta["tag"], "k": k, "t": t, "d": d, "h_train": d / 2000.0,
@@ -289,8 +304,9 @@ def report_model(args):
              f"--noise-level {args.noise_level} --size {args.size} --seed {args.seed}`",
              "",
              f"{len(rows)} (prompt, step) cells from {args.prompts} {args.split} prompts ({skipped} prompts skipped: "
-             f"all {args.pool} endpoints scored alike); Flow-SDE a = {args.noise_level}; reference = mean of the "
-             f"deterministic replicates; d = {rows[0]['d'] if rows else '?'} latent elements.",
+             f"all {args.pool} endpoints scored alike); Flow-SDE a = {args.noise_level:.4g}; reference = mean of the "
+             f"deterministic replicates; d = {rows[0]['d'] if rows else '?'} latent elements; KDE members drawn "
+             f"from a fixed pool of {args.pool} endpoints per prompt (its sampling error shows as KDE bias).",
              ""]
     if not rows:
         lines.append("No cell: every prompt's endpoints scored alike (an untrained model?).")
@@ -311,7 +327,19 @@ def report_model(args):
     lines += ["", "| quantity | paper (SD3.5, PickScore) | ours (per cell, geometric mean) |", "|---|---|---|",
               f"| Var(stochastic) / Var(deterministic) | {PAPER['sto_over_det']}× | {sto:.1f}× |",
               f"| KDE (h = 1) variance reduction vs deterministic | {PAPER['kde_h1_reduction']}% | {100 * (1 - kde1):.1f}% |",
-              "", f"wall time {time.time() - t0:.0f} s"]
+              ""]
+    # per step: the ratio moves with t (the deterministic/KDE scale (1−t)/t grows as t → 0)
+    ks = sorted({r["k"] for r in rows})
+    lines += ["Variance / deterministic per step (geometric mean over prompts):", "",
+              "| estimator | " + " | ".join(f"k = {k} (t = {next(r['t'] for r in rows if r['k'] == k):.2f})" for k in ks) + " |",
+              "|---|" + "---|" * len(ks)]
+    for n in names:
+        cells = []
+        for k in ks:
+            rk = [r for r in rows if r["k"] == k]
+            cells.append(f"{_m.exp(sum(_m.log(r[n]['var'] / r['deterministic']['var']) for r in rk) / len(rk)):.3f}×")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", f"wall time {time.time() - t0:.0f} s"]
     return "\n".join(lines), rows
 
 
@@ -332,10 +360,12 @@ def main():
     m.add_argument("--model", help="diffusers model directory (pkg:// allowed): run the model-scale diagnostic")
     m.add_argument("--prompts", type=int, default=6, help="shapes prompts (default: %(default)s)")
     m.add_argument("--split", default="train", choices=["train", "heldout"])
-    m.add_argument("--pool", type=int, default=48, help="endpoint rollouts per prompt (default: %(default)s)")
+    m.add_argument("--pool", type=int, default=96, help="endpoint rollouts per prompt (default: %(default)s)")
     m.add_argument("--num-steps", type=int, default=10, help="SDE steps (default: %(default)s)")
     m.add_argument("--model-steps", type=int, nargs="+", default=[2, 5, 8], help="steps k of the query states")
-    m.add_argument("--noise-level", type=float, default=0.7, help="Flow-SDE a (default: %(default)s)")
+    m.add_argument("--noise-level", type=float, default=math.sqrt(2.0),
+                   help="Flow-SDE a (default √2: η = 1, the exact time reversal, so SDE posterior draws are the "
+                        "forward-noising posterior the deterministic and KDE estimators assume)")
     m.add_argument("--size", type=int, default=32, help="image side (default: %(default)s)")
     m.add_argument("--batch", type=int, default=256, help="samples per model forward (default: %(default)s)")
     m.add_argument("--threads", type=int, default=2)

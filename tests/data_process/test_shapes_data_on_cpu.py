@@ -1,0 +1,55 @@
+"""data_process/shapes.py: the shapes world's prompts to verl parquet (issue 9)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[2]
+DP = REPO / "data_process"
+
+
+def _load(name):
+    sys.path.insert(0, str(DP))
+    spec = importlib.util.spec_from_file_location(f"dp_{name}", DP / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rlhf_dataset(path, tmp_path):
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    cfg = OmegaConf.create({"filter_overlong_prompts": False, "cache_dir": str(tmp_path / "cache")})
+    return RLHFDataset(data_files=str(path), tokenizer=None, config=cfg)
+
+
+def test_shapes_world_prompts_to_parquet(tmp_path):
+    """data_process/shapes.py: deterministic from the seed, train rows only from train compositions,
+    test rows only held-out and balanced over tags, rows readable by RLHFDataset and by the shapes reward."""
+    from verl_diffusion.rewards.geneval import geneval_metadata
+    from verl_diffusion.shapes.world import TAGS, split_of
+
+    shapes = _load("shapes")
+    args = ["--train-size", "60", "--test-per-tag", "3", "--train-eval", "--seed", "5"]
+    assert shapes.main(args + ["--output", str(tmp_path / "a")]) == 0
+    assert shapes.main(args + ["--output", str(tmp_path / "b")]) == 0
+    for name in ("train", "test", "train_eval"):
+        a, b = pd.read_parquet(tmp_path / "a" / f"{name}.parquet"), pd.read_parquet(tmp_path / "b" / f"{name}.parquet")
+        assert a.equals(b)
+    train, test = pd.read_parquet(tmp_path / "a" / "train.parquet"), pd.read_parquet(tmp_path / "a" / "test.parquet")
+    assert (len(train), len(test)) == (60, 3 * len(TAGS))
+    metas = {s: [geneval_metadata({"reward_model": r}) for r in df.reward_model] for s, df in (("train", train), ("test", test))}
+    assert all(split_of(m) == "train" for m in metas["train"]) and all(split_of(m) == "heldout" for m in metas["test"])
+    assert sorted(m["tag"] for m in metas["test"]) == sorted(list(TAGS) * 3)
+    assert [e["tag"] for e in test.extra_info] == [m["tag"] for m in metas["test"]]
+    other = tmp_path / "c"
+    assert shapes.main(["--train-size", "60", "--seed", "6", "--output", str(other)]) == 0
+    assert not pd.read_parquet(other / "train.parquet").equals(train)
+    ds = _rlhf_dataset(tmp_path / "a" / "train.parquet", tmp_path)
+    item = ds[2]
+    assert item["raw_prompt"][-1]["content"] == json.loads(item["reward_model"]["ground_truth"])["prompt"]
+    assert shapes.main(["--train-size", "0", "--output", str(other)]) == 2
