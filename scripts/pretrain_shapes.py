@@ -2,8 +2,9 @@
 
     python scripts/pretrain_shapes.py --out verl_diffusion/assets/shapes_sd3
 
-Reproducible from ``--seed`` (torch and numpy seeded; the same command on the same torch build gives the same
-weights). Two stages, both on scenes rendered on the fly by ``verl_diffusion.shapes``:
+Seeded from ``--seed`` (torch and numpy; every random draw comes from a seeded generator, so the same command on the
+same torch build and thread count should give the same weights: two runs printed the same VAE losses, a full
+re-run was not compared). Two stages, both on scenes rendered by ``verl_diffusion.shapes``:
 
 1. the VAE (``AutoencoderKL``, 2 blocks: 32 px → 16 × 16 × 4 latents) on renders of pretraining prompts, L1 + a
    small KL; its scaling and shift factors are then set to the latents' std and mean so the transformer sees
