@@ -26,7 +26,8 @@ TINY = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "trainer.tes
 def trainer_side(steps: int, root: str, extra: list) -> dict:
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=root)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", f"trainer.total_training_steps={steps}",
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "--config-name=tiny_cpu",
+                          f"trainer.total_training_steps={steps}",
                           *TINY, *extra], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if res.returncode:

@@ -28,7 +28,8 @@ SETTINGS = {
 def run(name: str, overrides: list, steps: int) -> dict:
     root = tempfile.mkdtemp(prefix="vd_mem_")
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=root)
-    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", f"trainer.total_training_steps={steps}",
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "--config-name=tiny_cpu",
+                          f"trainer.total_training_steps={steps}",
                           "trainer.test_freq=-1", "trainer.logger=[]", *overrides], capture_output=True, text=True,
                          env=env)
     if res.returncode:

@@ -204,7 +204,7 @@ def _pipeline_class(path) -> str:
 
 def prepare_config(cfg) -> str:
     """Resolve the run dir (relative paths: under the working directory; null: ``./outputs/<experiment_name>``),
-    build the tiny model when asked, resolve pkg:// data paths. Returns the run dir."""
+    build the tiny model when asked, resolve pkg:// data and model paths. Returns the run dir."""
     from omegaconf import open_dict
 
     run_dir = cfg.trainer.get("run_dir", None) or os.path.join("outputs", str(cfg.trainer.experiment_name))
@@ -216,6 +216,9 @@ def prepare_config(cfg) -> str:
         cfg.data.train_files = [resolve_path(f) for f in cfg.data.train_files]
         cfg.data.val_files = [resolve_path(f) for f in cfg.data.val_files]
         model = cfg.actor_rollout_ref.model
+        if model.get("path"):
+            # pkg://verl_diffusion/assets/shapes_sd3: the pretrained shapes model shipped with the package.
+            model.path = resolve_path(model.path)
         if not model.get("path") and model.get("tiny") is not None:
             from omegaconf import OmegaConf
 

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from verl import DataProto
-from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, progress_line
+from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, progress_line, validation_line
 from verl_diffusion.trainer.metrics import reduce_worker_metrics, reward_metrics
 
 
@@ -80,6 +80,12 @@ def test_worker_metric_reduction_keeps_first_micro_step():
 def test_progress_line():
     line = progress_line(3, 10, {"reward/mean": -6.0, "reward/std": 0.1, "loss": 1e-5, "timing_s/step": 0.5})
     assert line.startswith("step 3/10 | reward -6.0000±0.1000") and line.endswith("0.5s")
+
+
+def test_validation_line_prints_every_strict_accuracy():
+    line = validation_line(40, {"val/reward_mean": 0.61234, "val/num_images": 96.0, "val/shapes/strict": 0.375,
+                                "val/shapes/strict/position": 0.125, "val/shapes/reward/position": 0.5})
+    assert line == "validation step 40 | reward 0.6123 | shapes/strict 0.375 (96 images, ODE)"
 
 
 def _branched_trainer(bs=2, kb=2, steps=(0, 1), num_steps=4, mini=2):

@@ -51,6 +51,21 @@ def test_grid_curve_and_before_after(tmp_path):
                                             val_rewards=[0.3]))
 
 
+def test_reward_curve_draws_the_accuracy_axis(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    def green_pixels(path):
+        a = np.asarray(Image.open(path).convert("RGB")).astype(int)
+        return int((np.abs(a - np.array([44, 160, 44])).sum(-1) < 30).sum())   # matplotlib's tab:green
+
+    plain = save_reward_curve([1, 2, 3], [0.1, 0.2, 0.3], str(tmp_path / "a.png"), val_steps=[0, 3],
+                              val_rewards=[0.2, 0.4])
+    acc = save_reward_curve([1, 2, 3], [0.1, 0.2, 0.3], str(tmp_path / "b.png"), val_steps=[0, 3],
+                            val_rewards=[0.2, 0.4], val_accuracy=[0.25, 0.5])
+    assert green_pixels(plain) == 0 and green_pixels(acc) > 50
+
+
 def test_validation_grid_goes_to_tensorboard(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -28,21 +28,66 @@ SD3_VAE_SCALING_FACTOR = 1.5305
 SD3_VAE_SHIFT_FACTOR = 0.0609
 
 
-def _clip_tokenizer(max_length: int):
+def _clip_bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """CLIP's byte-pair encoding of one lower-case word (the algorithm of ``CLIPTokenizer.bpe``)."""
+    parts = list(word[:-1]) + [word[-1] + "</w>"]
+    while len(parts) > 1:
+        pairs = {(a, b) for a, b in zip(parts, parts[1:])}
+        best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+        if best not in ranks:
+            break
+        merged, i = [], 0
+        while i < len(parts):
+            if i < len(parts) - 1 and (parts[i], parts[i + 1]) == best:
+                merged.append(parts[i] + parts[i + 1])
+                i += 2
+            else:
+                merged.append(parts[i])
+                i += 1
+        parts = merged
+    return parts
+
+
+def _word_merges(words) -> list[tuple[str, str]]:
+    """BPE merges under which every word of ``words`` is one token.
+
+    Each word is encoded with the merges so far; while it is several tokens, the merge of its first two tokens is
+    appended (lowest priority, so words already whole stay whole: a whole word has no pair left to merge).
+    """
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for word in words:
+        parts = _clip_bpe(word, ranks)
+        while len(parts) > 1:
+            ranks[(parts[0], parts[1])] = len(merges)
+            merges.append((parts[0], parts[1]))
+            parts = _clip_bpe(word, ranks)
+    return merges
+
+
+def _clip_tokenizer(max_length: int, words=()):
+    """Character-level CLIP tokenizer; with ``words`` (lower-case), each of them is also one whole token."""
     from transformers import CLIPTokenizer
 
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in _CHARS:
         vocab[c] = len(vocab)
         vocab[c + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+    merges = _word_merges(words)
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def _t5_tokenizer(max_length: int):
+def _t5_tokenizer(max_length: int, words=()):
+    """Character-level T5 (unigram) tokenizer; with ``words``, each of them is one whole ``▁word`` piece (its
+    score beats any split into characters)."""
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
     pieces += [(c, -2.0) for c in _CHARS] + [("▁" + c, -1.5) for c in _CHARS]
+    known = {p for p, _ in pieces}
+    pieces += [("▁" + w, -1.0) for w in dict.fromkeys(words) if "▁" + w not in known]
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
@@ -57,6 +102,8 @@ def build_tiny_sd3_pipeline(
     text_seq_len: int = 16,
     latent_channels: int = 16,
     vae_channels: int = 8,
+    vae_blocks: int = 3,
+    vocab: Optional[Sequence[str]] = None,
     shift: float = 3.0,
     dtype: torch.dtype = torch.float32,
 ):
@@ -64,13 +111,15 @@ def build_tiny_sd3_pipeline(
 
     Args:
       seed: torch seed for all random weights (same seed → bitwise same weights).
-      sample_size: latent height = width; pixels = 4·sample_size (VAE with three blocks, factor 4).
+      sample_size: latent height = width; pixels = f·sample_size with the VAE factor f = 2^(vae_blocks − 1).
       num_layers, attention_head_dim, num_attention_heads: the joint transformer (width = heads·head_dim).
       text_width: hidden width of each CLIP encoder; T5 and the joint attention use 2·text_width, so the
         padded CLIP-L/G concat fits exactly as in SD3.
       text_seq_len: CLIP and T5 token length (L = 2·text_seq_len tokens of conditioning).
       latent_channels: 16 as in SD3.
       vae_channels: width of the VAE blocks.
+      vae_blocks: number of VAE encoder/decoder blocks (3: factor 4, 2: factor 2).
+      vocab: whole words of the tokenizers (lower-case; e.g. a prompt vocabulary), on top of the characters.
       shift: FlowMatchEulerDiscreteScheduler shift (SD3: 3).
     Returns: StableDiffusion3Pipeline on CPU in ``dtype``.
     """
@@ -78,9 +127,10 @@ def build_tiny_sd3_pipeline(
                            StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    tokenizer = _clip_tokenizer(text_seq_len)
-    tokenizer_2 = _clip_tokenizer(text_seq_len)
-    tokenizer_3 = _t5_tokenizer(text_seq_len)
+    words = [w.lower() for w in vocab or ()]
+    tokenizer = _clip_tokenizer(text_seq_len, words)
+    tokenizer_2 = _clip_tokenizer(text_seq_len, words)
+    tokenizer_3 = _t5_tokenizer(text_seq_len, words)
     joint_dim = 2 * text_width
 
     torch.manual_seed(seed)
@@ -105,9 +155,9 @@ def build_tiny_sd3_pipeline(
     )
     vae = AutoencoderKL(
         in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(vae_channels,) * 3, layers_per_block=1, latent_channels=latent_channels,
-        norm_num_groups=min(4, vae_channels), sample_size=4 * sample_size,
+        down_block_types=("DownEncoderBlock2D",) * vae_blocks, up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+        block_out_channels=(vae_channels,) * vae_blocks, layers_per_block=1, latent_channels=latent_channels,
+        norm_num_groups=min(4, vae_channels), sample_size=2 ** (vae_blocks - 1) * sample_size,
         scaling_factor=SD3_VAE_SCALING_FACTOR, shift_factor=SD3_VAE_SHIFT_FACTOR,
         use_quant_conv=False, use_post_quant_conv=False,
     )

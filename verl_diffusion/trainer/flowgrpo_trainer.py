@@ -410,6 +410,8 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         metrics.update({"val/" + k[len("reward/"):]: float(v) for k, v in (res.metrics or {}).items()
                         if k.startswith("reward/") and isinstance(v, (int, float))})
         self.val_history.append({"step": step, **metrics, "grid": path})
+        if self.progress:
+            print(validation_line(step, metrics), flush=True)
         return metrics
 
     def refresh_artifacts(self) -> dict[str, str]:
@@ -420,11 +422,16 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         out = {"metrics": self.metrics_log.path}
         rows = self.metrics_log.rows()
         train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
-        val = [(r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r]
+        val = [r for r in rows if "val/reward_mean" in r]
+        # A reward's overall strict accuracy (e.g. val/shapes/strict), drawn when every validation has it.
+        acc = sorted(k for k in (val[0] if val else {}) if k.startswith("val/") and k.endswith("/strict"))
+        acc = [k for k in acc if all(k in r for r in val)][:1]
         if train:
             out["reward_curve"] = save_reward_curve(
                 [s for s, _ in train], [v for _, v in train], os.path.join(self.run_dir, "reward_curve.png"),
-                val_steps=[s for s, _ in val], val_rewards=[v for _, v in val])
+                val_steps=[r["step"] for r in val], val_rewards=[r["val/reward_mean"] for r in val],
+                val_accuracy=[r[acc[0]] for r in val] if acc else (),
+                accuracy_label=f"held-out {acc[0][len('val/'):]} (ODE)" if acc else "")
         baseline = os.path.join(self.run_dir, BASELINE_NAME)
         if self.val_images and os.path.exists(baseline):
             first = torch.load(baseline, weights_only=True)
@@ -530,6 +537,14 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                         "training/global_step": float(step),
                         "actor/train_fraction": float(batch.batch["train_mask"].float().mean())})
         return metrics
+
+
+def validation_line(step: int, m: dict) -> str:
+    """One line per validation: mean reward and every strict accuracy a reward reports (val/<reward>/strict)."""
+    parts = [f"validation step {step}", f"reward {m['val/reward_mean']:.4f}"]
+    for key in sorted(k for k in m if k.startswith("val/") and k.endswith("/strict")):  # per-tag keys end with the tag
+        parts.append(f"{key[len('val/'):]} {m[key]:.3f}")
+    return " | ".join(parts) + f" ({int(m['val/num_images'])} images, ODE)"
 
 
 def progress_line(step: int, total: int, m: dict) -> str:

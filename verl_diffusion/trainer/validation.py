@@ -62,7 +62,10 @@ def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, s
 
 
 def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str, *,
-                      val_steps: Sequence[int] = (), val_rewards: Sequence[float] = ()) -> str:
+                      val_steps: Sequence[int] = (), val_rewards: Sequence[float] = (),
+                      val_accuracy: Sequence[float] = (), accuracy_label: str = "validation strict accuracy") -> str:
+    """Train reward per step and validation reward per validation; with ``val_accuracy`` (one per validation
+    step, e.g. the shapes reward's strict accuracy) a second axis in [0, 1] on the right."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,7 +78,15 @@ def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str,
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    if len(val_accuracy):
+        ax2 = ax.twinx()
+        ax2.plot(list(val_steps), list(val_accuracy), marker="D", ms=4, color="tab:green", label=accuracy_label)
+        ax2.set_ylabel("strict accuracy")
+        ax2.set_ylim(0.0, 1.0)
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
