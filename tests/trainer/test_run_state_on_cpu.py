@@ -216,7 +216,7 @@ def test_validation_scores_with_each_prompts_ground_truth(tmp_path):
     tr.val_dataloader = [collate_prompts(rows)]
     tr.actor_rollout_wg, tr.world_size = _ValWG(), 2
     tr.reward_fn, tr.run_dir, tr.global_steps = _GroundTruthReward(), str(tmp_path), 0
-    tr.val_images, tr.val_history = {}, []
+    tr.val_images, tr.val_history, tr.progress = {}, [], False
     m = tr._validate()
     meta = tr.reward_fn.calls[0]
     assert [x["reward_model"]["ground_truth"] for x in meta] == ["p0", "p1", "p2", "p0", "p1"]
