@@ -74,3 +74,22 @@ def test_pyproject_license_is_an_spdx_string():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert meta["project"]["license"] == "Apache-2.0"
     assert any(r.replace(" ", "").startswith("setuptools>=77") for r in meta["build-system"]["requires"])
+
+
+def test_torchdata_set_vital_notice_is_dropped_and_other_user_warnings_are_kept():
+    """torchdata's StatefulDataLoader (the trainer's prompt loader) warns about its own deprecated set_vital call on
+    every new iterator; the plugin drops that one message only."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from verl_diffusion.notices import install_notice_filters
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        install_notice_filters()
+        list(StatefulDataLoader(list(range(4)), batch_size=2, num_workers=0))
+        warnings.warn("an unrelated user warning", UserWarning)
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "set_vital" in m], messages
+    assert "an unrelated user warning" in messages
