@@ -14,6 +14,8 @@ And, for the divergence (samples that turn into a full-frame texture): the per-s
 (the training latents have unit std after the VAE's scaling and shift), the fraction of samples with a latent std
 above 1.5, and the fraction of images whose estimated background is not the grey one (the detector's sign of an
 image mostly covered by something).
+
+``--loss-models DIR [DIR ...]``: the held-out flow-matching loss of each model at five noise levels instead.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=128, help="per split")
     p.add_argument("--seed", type=int, default=1, help="eval_sets seed (pretrain_shapes' final eval uses seed + 1)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--loss-models", nargs="+", default=None,
+                   help="instead: the flow-matching loss per t of these model directories (same VAE)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.loss_models:
+        return flow_loss_by_t(a.loss_models, threads=a.threads)
 
     from pretrain_shapes import World, eval_sets
     from verl_diffusion.models.sd3 import SD3Adapter
@@ -91,6 +97,41 @@ def main(argv=None):
             run(f"cfg{g:g}", split, prompts, guidance=g)
         run("ode50", split, prompts, steps=50)
     print(json.dumps(results, indent=1))
+
+
+
+@torch.no_grad()
+def flow_loss_by_t(model_dirs, n: int = 512, seed: int = 7, threads: int = 1):
+    """Flow-matching loss (SPEC §1: x_t = (1 − t)·x0 + t·ε, target ε − x0) of each model on the same ``n`` fresh
+    scenes of pretraining prompts, the same ε, at t = 0.1, 0.3, 0.5, 0.7, 0.9. The models must share the VAE (the
+    latents are encoded by the first model's VAE and scaled by each model's own factors)."""
+    from pretrain_shapes import World
+    from verl_diffusion.models.sd3 import SD3Adapter
+
+    torch.set_num_threads(threads)
+    world = World("verl_diffusion.shapes", 32)
+    rng = np.random.default_rng(seed)
+    samples = [world.pretrain_sample(rng) for _ in range(n)]
+    x = world.images([m for _, m in samples], rng)
+    gen = torch.Generator().manual_seed(seed)
+    adapters = [SD3Adapter.from_pretrained(d) for d in model_dirs]
+    raw = adapters[0].vae.encode(x).latent_dist.mode()
+    eps = torch.randn(raw.shape, generator=gen)
+    out = {}
+    for d, ad in zip(model_dirs, adapters):
+        cfg = ad.vae.config
+        x0 = (raw - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
+        cond = ad.encode_prompt([p for p, _ in samples])
+        row = {}
+        for t in (0.1, 0.3, 0.5, 0.7, 0.9):
+            xt = (1 - t) * x0 + t * eps
+            v = torch.cat([ad.velocity(xt[i:i + 128], torch.full((len(xt[i:i + 128]),), t),
+                                       type(cond)(cond.prompt_embeds[i:i + 128], cond.pooled_prompt_embeds[i:i + 128]))
+                           for i in range(0, n, 128)])
+            row[t] = float(((v - (eps - x0)) ** 2).mean())
+        out[d] = row
+        print(d, " ".join(f"t={t}: {l:.4f}" for t, l in row.items()), flush=True)
+    return out
 
 
 if __name__ == "__main__":
