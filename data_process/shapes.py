@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import make_row, write_parquet  # noqa: E402
+from _common import check_output_dir, make_row, write_parquet  # noqa: E402
 
 
 def rows_for(prompts: list[tuple[str, dict]], *, split: str, data_source: str, negative_prompt: str) -> list[dict]:
@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    try:
+        out_dir = check_output_dir(args.output)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(args.seed)
     splits = {
         "train": [sample_prompt(rng, "train") for _ in range(args.train_size)],
@@ -57,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.train_eval:
         splits["train_eval"] = heldout_prompts(args.test_per_tag, seed=args.seed, split="train")
-    out_dir = os.path.expanduser(args.output)
     for split, prompts in splits.items():
         path = os.path.join(out_dir, f"{split}.parquet")
         write_parquet(rows_for(prompts, split=split, data_source=args.data_source,

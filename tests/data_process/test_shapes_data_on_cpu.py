@@ -53,3 +53,14 @@ def test_shapes_world_prompts_to_parquet(tmp_path):
     item = ds[2]
     assert item["raw_prompt"][-1]["content"] == json.loads(item["reward_model"]["ground_truth"])["prompt"]
     assert shapes.main(["--train-size", "0", "--output", str(other)]) == 2
+
+
+def test_shapes_output_naming_a_file_is_one_line(tmp_path, capsys):
+    """As for the other data scripts: --output naming a file (or a path under one) is one error line, exit 2."""
+    shapes = _load("shapes")
+    f = tmp_path / "taken"
+    f.write_text("x")
+    for out in (f, f / "sub"):
+        assert shapes.main(["--train-size", "4", "--output", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --output") and "is a file" in err[0], err
