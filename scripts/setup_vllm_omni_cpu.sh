@@ -15,15 +15,19 @@ PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv-vllm-omni}"
 PY="$VENV/bin/python"
 PIP="$PY -m pip install -q"
+# Overridable to try another release (docs/vllm_omni.md, "Versions"); the defaults are the pinned combination.
+VLLM_OMNI_VERSION="${VLLM_OMNI_VERSION:-0.28.0}"
+VLLM_VERSION="${VLLM_VERSION:-0.28.0}"
+TRANSFORMERS_SPEC="${TRANSFORMERS_SPEC:-transformers>=5.10.1,<5.11}"
 PINS="$(mktemp)"
 trap 'rm -f "$PINS"' EXIT
-printf '%s\n' "torch==2.13.0" "transformers>=5.10.1,<5.11" "diffusers==0.40.0" "accelerate==1.12.0" > "$PINS"
+printf '%s\n' "torch==2.13.0" "$TRANSFORMERS_SPEC" "diffusers==0.40.0" "accelerate==1.12.0" > "$PINS"
 
 "$PYTHON" -m venv "$VENV"
 $PIP --upgrade pip
 $PIP "torch==2.13.0"                        # CPU torch first and alone, as in the Makefile
 $PIP -c "$PINS" -e ".[test]"
-$PIP --no-deps "vllm==0.28.0" "vllm-omni==0.28.0"
+$PIP --no-deps "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_OMNI_VERSION"
 # Imported at module level by vllm / vllm-omni's diffusion stack; wheels with no CUDA code.
 $PIP -c "$PINS" "aenum==3.1.16" "cbor2" "openai-harmony" "openai" "pybase64" "uvloop" "py-cpuinfo" "tiktoken" \
     "loguru" "prettytable" "einops" "janus" "accelerate==1.12.0" "msgspec" "pyzmq" "blake3" "gguf" \

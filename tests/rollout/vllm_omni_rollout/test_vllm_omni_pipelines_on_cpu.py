@@ -1,4 +1,4 @@
-"""Our SD3 pipeline loaded and run through the real vllm-omni classes on CPU (vllm-omni 0.28, docs/vllm_omni.md).
+"""Our SD3 pipeline loaded and run through the real vllm-omni classes on CPU (docs/vllm_omni.md).
 
 Each check compares with the diffusers rollout on the same plan (same x_{t_0}, window and window noise): every
 output key is compared with ``torch.equal`` — bitwise, not to a tolerance — because both backends run the same
@@ -18,40 +18,27 @@ import torch
 vllm_omni = pytest.importorskip(
     "vllm_omni", reason="vllm-omni is not installed here; `make test-vllm-omni` runs these tests in .venv-vllm-omni")
 
-from vllm.config.load import LoadConfig  # noqa: E402
-from vllm_omni.diffusion.data import OmniDiffusionConfig  # noqa: E402
-from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader  # noqa: E402
+from omni_pipeline_helpers import (assert_bitwise, collate, diffusers_batch, load_pipeline, od_config,  # noqa: E402
+                                   run, train_rollout_gap)
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
 from vllm_omni.lora.request import LoRARequest  # noqa: E402
-
-from verl_diffusion.algos.sde import StepCoefficients, gaussian_log_prob, step_mean  # noqa: E402
-from verl_diffusion.models.base import Conditioning  # noqa: E402
-from verl_diffusion.models.sd3 import SD3Adapter  # noqa: E402
-from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout  # noqa: E402
-from verl_diffusion.rollout.vllm_omni.pipelines import PIPELINES, SD3RolloutPipeline  # noqa: E402
-from verl_diffusion.rollout.vllm_omni.protocol import collate_trajectories, write_lora_dir  # noqa: E402
-from verl_diffusion.rollout.vllm_omni.replica import (build_engine_requests, engine_kwargs,  # noqa: E402
-                                                      split_lora_weights, trajectory_of)
-from verl_diffusion.rollout.vllm_omni.worker_extension import VerlDiffusionWorkerExtension  # noqa: E402
-
 from vllm_omni_cases import GROUPS, PROMPTS, generate_request, rollout_config  # noqa: E402
 
-QUALNAME = "verl_diffusion.rollout.vllm_omni.pipelines.SD3RolloutPipeline"
+from verl_diffusion.models.sd3 import SD3Adapter  # noqa: E402
+from verl_diffusion.rollout.vllm_omni.pipelines import PIPELINES, SD3RolloutPipeline  # noqa: E402
+from verl_diffusion.rollout.vllm_omni.protocol import collate_trajectories, write_lora_dir  # noqa: E402
+from verl_diffusion.rollout.vllm_omni.replica import build_engine_requests, split_lora_weights, trajectory_of  # noqa: E402
+from verl_diffusion.rollout.vllm_omni.worker_extension import VerlDiffusionWorkerExtension  # noqa: E402
+
 LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
-
-
-def od_config(path):
-    return OmniDiffusionConfig.from_kwargs(**engine_kwargs(path, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_sd3_path):
     """Loaded the way vllm-omni's model runner loads a custom pipeline (load_format='custom_pipeline')."""
-    loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config(tiny_sd3_path))
-    return loader.load_model(load_device="cpu", load_format="custom_pipeline", custom_pipeline_name=QUALNAME,
-                             device=torch.device("cpu"))
+    return load_pipeline(tiny_sd3_path)
 
 
 @pytest.fixture(scope="module")
@@ -72,33 +59,6 @@ def engine_requests(cfg, request):
     rows = build_engine_requests(cfg, request, (16, 16, 16), sampling_params_cls=OmniDiffusionSamplingParams)
     return [OmniDiffusionRequest(prompt=r["prompt"], sampling_params=r["sampling_params"], request_id=r["request_id"])
             for r in rows]
-
-
-def run(pipeline, requests, batch_sizes=None):
-    """Forward in vllm-omni request batches (sizes ``batch_sizes``); returns the DiffusionOutputs in order."""
-    batch_sizes = batch_sizes or [len(requests)]
-    outs, lo = [], 0
-    for size in batch_sizes:
-        outs += pipeline.forward(DiffusionRequestBatch(requests[lo:lo + size]))
-        lo += size
-    return outs
-
-
-def collate(outs):
-    return collate_trajectories([dict(o.output["payload"]["trajectory"], image=o.output["payload"]["image"][0])
-                                 for o in outs])
-
-
-def diffusers_batch(adapter, cfg, request):
-    """The diffusers replica's batch for the same request (one sampling rank: seed·1000 + 0)."""
-    return DiffusersRollout(adapter, cfg).generate(request["prompts"], torch.tensor(request["group_ids"]),
-                                                   seed=request["seed"] * 1000, store_velocities=True)
-
-
-def assert_bitwise(got, ref):
-    assert set(ref) <= set(got), sorted(set(ref) - set(got))
-    for key in ref:
-        assert got[key].dtype == ref[key].dtype and torch.equal(got[key], ref[key]), key
 
 
 def test_loader_fills_every_transformer_weight_from_the_checkpoint(pipeline, reference):
@@ -141,15 +101,8 @@ def test_train_rollout_log_prob_gap_is_zero_on_cpu(pipeline, reference):
     """The consistency metric: the trainer's recomputation (its own forward at the stored states, with the stored
     conditioning and coefficients) minus the replica's log-probs, mean |Δ| over trained steps: exactly 0 here."""
     got = collate(run(pipeline, engine_requests(rollout_config(), generate_request(seed=7))))
-    cond = Conditioning.from_dict(got)
-    gaps = []
-    for k in torch.nonzero(got["train_mask"].any(0)).flatten().tolist():
-        with torch.no_grad():
-            v = reference.velocity(got["all_latents"][:, k], got["sigmas"][:, k], cond)
-        coef = StepCoefficients(got["sde_cx"][:, k], got["sde_cv"][:, k], got["sde_std"][:, k])
-        lp = gaussian_log_prob(got["all_latents"][:, k + 1], step_mean(got["all_latents"][:, k], v, coef), coef.std)
-        gaps.append((lp - got["rollout_log_probs"][:, k]).abs())
-    assert len(gaps) == 2 and torch.cat(gaps).mean().item() == 0.0
+    gap, steps = train_rollout_gap(reference, got)
+    assert steps == 2 and gap == 0.0
 
 
 def test_engine_postprocess_delivers_the_trajectory_to_the_client(pipeline, tiny_sd3_path):

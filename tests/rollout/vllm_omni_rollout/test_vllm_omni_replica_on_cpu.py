@@ -154,3 +154,39 @@ def test_config_accepted_or_missing_vllm_omni_named(tiny_sd3_path):
             validate_vllm_omni_config(rollout, model)
     else:
         validate_vllm_omni_config(rollout, model)
+
+
+def test_every_adapter_architecture_has_a_pipeline_and_its_latent_shape(tmp_path):
+    """The replica plans x_{t_0} from the configs alone (latent_shape_of): it must be the adapter's latent_shape,
+    for each architecture's tiny checkpoint and two sizes; its LoRA targets are the trainer's (the architecture's)."""
+    from verl_diffusion.models import PIPELINE_ARCHITECTURES, get_adapter_cls
+    from verl_diffusion.models.tiny import TINY_BUILDERS
+    from verl_diffusion.rollout.vllm_omni import latent_shape_of
+    from verl_diffusion.rollout.vllm_omni.replica import _lora_targets
+
+    assert set(PIPELINE_CLASSES) == set(PIPELINE_ARCHITECTURES)
+    for pipeline_name, arch in PIPELINE_ARCHITECTURES.items():
+        pipe = TINY_BUILDERS[arch]()
+        pipe.save_pretrained(str(tmp_path / arch))
+        adapter = get_adapter_cls(arch)(pipe)
+        for h, w in ((64, 64), (32, 96)):
+            assert latent_shape_of(str(tmp_path / arch), h, w) == tuple(adapter.latent_shape(h, w)), (arch, h, w)
+        with pytest.raises(ValueError, match="not a multiple of"):
+            latent_shape_of(str(tmp_path / arch), 40, 64)
+        kw = engine_kwargs(str(tmp_path / arch), adapter_kwargs={"max_sequence_length": 8})
+        assert kw["custom_pipeline_args"] == {"pipeline_class": "verl_diffusion.rollout.vllm_omni.pipelines."
+                                              + PIPELINE_CLASSES[pipeline_name],
+                                              "adapter_kwargs": {"max_sequence_length": 8}}
+        model = OmegaConf.create({"path": str(tmp_path / arch), "target_modules": "all-linear"})
+        assert _lora_targets(model) == adapter.lora_targets()
+
+
+def test_collate_pads_variable_length_text_with_mask_zero():
+    """Qwen-Image rows from different vllm-omni batches carry different text lengths; padded as Conditioning.cat."""
+    rows = [{"prompt_embeds": torch.ones(3, 2), "prompt_mask": torch.ones(3, dtype=torch.long)},
+            {"prompt_embeds": 2 * torch.ones(5, 2), "prompt_mask": torch.ones(5, dtype=torch.long)}]
+    batch = collate_trajectories(rows)
+    assert batch["prompt_embeds"].shape == (2, 5, 2) and batch["prompt_mask"].tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert batch["prompt_embeds"][0, 3:].abs().sum() == 0 and torch.equal(batch["prompt_embeds"][1], 2 * torch.ones(5, 2))
+    with pytest.raises(ValueError, match="no 'prompt_mask'"):
+        collate_trajectories([{"prompt_embeds": torch.ones(3, 2)}, {"prompt_embeds": torch.ones(4, 2)}])

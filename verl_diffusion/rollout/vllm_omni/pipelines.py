@@ -2,14 +2,18 @@
 
 One generic pipeline, :class:`AdapterRolloutPipeline`, runs any model adapter (``models/base.py``) through the
 same loop as the diffusers rollout (``DiffusersRollout.run_trajectory`` over ``algos.sde``), so its log-probs are
-the ones the trainer recomputes. An architecture is a subclass naming three classes (:class:`SD3RolloutPipeline`).
+the ones the trainer recomputes. An architecture is a subclass naming three classes: :class:`SD3RolloutPipeline`,
+:class:`QwenImageRolloutPipeline`, :class:`FluxRolloutPipeline` (FLUX.1-dev / schnell) and
+:class:`Flux2KleinRolloutPipeline` (FLUX.2 [klein]).
 
-vllm-omni's contract (0.28, measured): no base class; ``__init__(*, od_config)``, ``forward(batch)`` returning one
+vllm-omni's contract (0.28 and 0.30, measured): no base class; ``__init__(*, od_config)``, ``forward(batch)`` returning one
 ``DiffusionOutput`` per request, ``load_weights(weights) -> loaded names`` and ``weights_sources``. vllm-omni
 builds the pipeline, then streams the transformer's checkpoint through ``load_weights`` and refuses to start if
 any transformer weight was not loaded. The text encoders and the VAE are loaded by diffusers here, as in
 vllm-omni's own pipelines. Name a pipeline with ``custom_pipeline_args={"pipeline_class": qualname}`` or register
-it (:func:`register_pipelines`).
+it (:func:`register_pipelines`). The adapter's constructor options (``actor_rollout_ref.model.adapter_kwargs``,
+e.g. FLUX.1's ``distilled_guidance_scale``) ride in ``custom_pipeline_args["adapter_kwargs"]``, so the rollout
+samples the model the trainer trains.
 
 This module imports vllm-omni; it is loaded only inside vllm-omni's workers and in tests that have it.
 """
@@ -30,7 +34,8 @@ from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, trajectory_coefficients
 from verl_diffusion.rollout.vllm_omni.protocol import SampleRequest, parse_extra_args, read_lora_dir
 
-__all__ = ["AdapterRolloutPipeline", "SD3RolloutPipeline", "PIPELINES", "register_pipelines"]
+__all__ = ["AdapterRolloutPipeline", "SD3RolloutPipeline", "QwenImageRolloutPipeline", "FluxRolloutPipeline",
+           "Flux2KleinRolloutPipeline", "PIPELINES", "register_pipelines"]
 
 
 def _import(qualname: str):
@@ -76,7 +81,8 @@ class AdapterRolloutPipeline(nn.Module):
             pipe = _import(self.diffusers_pipeline).from_pretrained(path, transformer=transformer.to(dtype),
                                                                      torch_dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
-        self.adapter = _import(self.adapter_class).from_pipeline(pipe)
+        adapter_kwargs = dict((getattr(od_config, "custom_pipeline_args", None) or {}).get("adapter_kwargs") or {})
+        self.adapter = _import(self.adapter_class).from_pipeline(pipe, **adapter_kwargs)
         for name, module in pipe.components.items():      # children, so .to(device) and sleep mode see them
             if isinstance(module, nn.Module):
                 setattr(self, name, module)
@@ -254,6 +260,32 @@ class SD3RolloutPipeline(AdapterRolloutPipeline):
     diffusers_pipeline = "diffusers.StableDiffusion3Pipeline"
     transformer_class = "diffusers.SD3Transformer2DModel"
     adapter_class = "verl_diffusion.models.sd3.SD3Adapter"
+
+
+class QwenImageRolloutPipeline(AdapterRolloutPipeline):
+    """Qwen-Image (``QwenImagePipeline`` checkpoints) with our kernels; text length varies per prompt (a mask)."""
+
+    diffusers_pipeline = "diffusers.QwenImagePipeline"
+    transformer_class = "diffusers.QwenImageTransformer2DModel"
+    adapter_class = "verl_diffusion.models.qwen_image.QwenImageAdapter"
+
+
+class FluxRolloutPipeline(AdapterRolloutPipeline):
+    """FLUX.1-dev / schnell (``FluxPipeline`` checkpoints) with our kernels; the distilled guidance is the
+    adapter's ``distilled_guidance_scale``, as in training."""
+
+    diffusers_pipeline = "diffusers.FluxPipeline"
+    transformer_class = "diffusers.FluxTransformer2DModel"
+    adapter_class = "verl_diffusion.models.flux.FluxAdapter"
+
+
+class Flux2KleinRolloutPipeline(AdapterRolloutPipeline):
+    """FLUX.2 [klein] (``Flux2KleinPipeline`` checkpoints) with our kernels; latents in the patchified,
+    batch-normalised space the adapter samples in."""
+
+    diffusers_pipeline = "diffusers.Flux2KleinPipeline"
+    transformer_class = "diffusers.Flux2Transformer2DModel"
+    adapter_class = "verl_diffusion.models.flux2.Flux2KleinAdapter"
 
 
 # diffusers pipeline class (model_index.json "_class_name") -> our pipeline (the table lives in the package

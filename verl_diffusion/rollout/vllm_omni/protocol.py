@@ -104,6 +104,9 @@ def collate_trajectories(trajectories: Sequence[Mapping[str, torch.Tensor]]) -> 
     """Per-sample ``payload["trajectory"]`` mappings (+ ``image``) → the rollout batch (docs/data_flow.md keys).
 
     Every tensor gets a leading batch dimension; images [3, H, W] uint8 become ``images`` [B, 3, H, W].
+    Text whose length varies per prompt (Qwen-Image: ``prompt_embeds`` [L, D] with ``prompt_mask`` [L]) may come
+    back with different L from different vllm-omni batches: it is padded with zeros (mask 0) to the longest, as
+    the diffusers rollout pads one batch (``Conditioning.cat``); real tokens keep their positions.
     """
     if not trajectories:
         raise ValueError("collate_trajectories got no outputs")
@@ -115,8 +118,20 @@ def collate_trajectories(trajectories: Sequence[Mapping[str, torch.Tensor]]) -> 
     unknown = keys - set(TRAJECTORY_TO_ROLLOUT_KEYS)
     if unknown:
         raise ValueError(f"unknown trajectory keys {sorted(unknown)}; known: {sorted(TRAJECTORY_TO_ROLLOUT_KEYS)}")
-    return {TRAJECTORY_TO_ROLLOUT_KEYS[k]: torch.stack([torch.as_tensor(t[k]).cpu() for t in trajectories])
+    return {TRAJECTORY_TO_ROLLOUT_KEYS[k]: _stack(k, [torch.as_tensor(t[k]).cpu() for t in trajectories], keys)
             for k in sorted(keys)}
+
+
+def _stack(key: str, items: list[torch.Tensor], keys: set) -> torch.Tensor:
+    lengths = {t.shape[0] if t.dim() else 0 for t in items}
+    if len(lengths) > 1 and key.endswith(("prompt_embeds", "prompt_mask")) and not key.endswith("pooled_prompt_embeds"):
+        mask_key = key.replace("prompt_embeds", "prompt_mask")
+        if mask_key not in keys:
+            raise ValueError(f"trajectory {key!r} has text lengths {sorted(lengths)} but no {mask_key!r} to pad with; "
+                             "an architecture with a fixed text length returns one length")
+        length = max(lengths)
+        items = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, length - t.shape[0])) for t in items]
+    return torch.stack(items)
 
 
 # ---------------------------------------------------------------------- LoRA as vllm-omni's LoRARequest reads it

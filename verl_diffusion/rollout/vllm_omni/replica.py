@@ -29,6 +29,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from verl_diffusion.rollout.diffusers_rollout import RolloutConfig, plan_rollout
+from verl_diffusion.rollout.vllm_omni import latent_shape_of
 from verl_diffusion.rollout.vllm_omni.protocol import (collate_trajectories, request_extra_args, write_lora_dir)
 
 __all__ = ["REPLICA_NAME", "validate_vllm_omni_config", "VllmOmniReplica", "VllmOmniServer", "VllmOmniServerAdapter", "engine_kwargs",
@@ -98,15 +99,19 @@ def validate_vllm_omni_config(rollout_cfg, model_cfg) -> None:
 
 
 def engine_kwargs(model_path: str, *, dtype: str = "bfloat16", enable_sleep_mode: bool = True,
-                  extra: Optional[dict] = None) -> dict[str, Any]:
+                  extra: Optional[dict] = None, adapter_kwargs: Optional[dict] = None) -> dict[str, Any]:
     """Keyword arguments of ``AsyncOmni`` for our pipeline (also valid ``OmniDiffusionConfig`` fields).
 
     ``extra``: ``actor_rollout_ref.rollout.engine_kwargs.vllm_omni``, passed through last (user overrides).
+    ``adapter_kwargs``: ``actor_rollout_ref.model.adapter_kwargs``, handed to the pipeline's model adapter.
     """
+    pipeline_args: dict[str, Any] = {"pipeline_class": pipeline_class_for(model_path)}
+    if adapter_kwargs:
+        pipeline_args["adapter_kwargs"] = dict(adapter_kwargs)
     kwargs = {
         "model": str(model_path),
         "dtype": dtype,
-        "custom_pipeline_args": {"pipeline_class": pipeline_class_for(model_path)},
+        "custom_pipeline_args": pipeline_args,
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_sleep_mode": bool(enable_sleep_mode),
         # Our pipelines run the diffusers modules eagerly, as the trainer does (compiled kernels would change the
@@ -189,6 +194,14 @@ class _EngineThread:
     def call(self, coro, timeout: Optional[float] = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def shutdown(self) -> None:
+        """Stop the engine (its worker processes) and the loop thread."""
+        try:
+            self.engine.shutdown()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+
     async def generate_all(self, requests: list[dict]) -> list:
         async def one(r):
             final = None
@@ -208,7 +221,7 @@ class VllmOmniServerAdapter(BaseRollout):
 
     def __init__(self, *args: Any, config, model_config, device_mesh=None, replica_rank: int = 0,
                  start_engine: bool = True, **kwargs: Any):
-        from verl_diffusion.workers.worker import build_rollout_config
+        from verl_diffusion.workers.worker import adapter_kwargs, build_rollout_config
 
         self.config = config
         self.model_config = model_config
@@ -228,7 +241,8 @@ class VllmOmniServerAdapter(BaseRollout):
         self.engine_kwargs = engine_kwargs(str(_get(model_config, "path")),
                                            dtype=str(_get(config, "dtype", "bfloat16")),
                                            enable_sleep_mode=bool(_get(config, "enable_sleep_mode", True)),
-                                           extra=dict(omni) if omni else None)
+                                           extra=dict(omni) if omni else None,
+                                           adapter_kwargs=adapter_kwargs(model_config))
         _LOCAL[self.replica_rank] = self
         if start_engine:
             self._engine = _EngineThread(self.engine_kwargs)
@@ -240,7 +254,7 @@ class VllmOmniServerAdapter(BaseRollout):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         start = time.perf_counter()
-        shape = _latent_shape(self.cfg, self.engine_kwargs["model"])
+        shape = latent_shape_of(self.engine_kwargs["model"], self.cfg.height, self.cfg.width)
         requests = build_engine_requests(self.cfg, request, shape, sampling_params_cls=OmniDiffusionSamplingParams)
         outputs = self._engine.call(self._engine.generate_all(requests))
         batch = collate_trajectories([trajectory_of(o) for o in outputs])
@@ -307,6 +321,12 @@ class VllmOmniServerAdapter(BaseRollout):
         if self._engine is not None and bool(self.engine_kwargs.get("enable_sleep_mode")):
             self._engine.call(self._engine.engine.sleep(level=1))
 
+    def shutdown_engine(self) -> None:
+        """Stop this adapter's engine (tests, and a replica that is torn down)."""
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.shutdown()
+
     async def resume(self, tags: list[str]):
         await asyncio.to_thread(self.wake_up_engine, tags)
 
@@ -315,22 +335,14 @@ class VllmOmniServerAdapter(BaseRollout):
 
 
 def _lora_targets(model_config) -> list[str] | str:
+    """``model.target_modules``, or (unset / "all-linear") the architecture's own list, as the trainer's worker
+    resolves them (workers/worker.py ``_model_config``): the injected LoRA must match the actor's."""
     targets = _get(model_config, "target_modules", None)
     if targets in (None, "all-linear"):
-        from verl_diffusion.workers.engine import DEFAULT_LORA_TARGETS
+        from verl_diffusion.workers.worker import model_adapter_cls
 
-        return list(DEFAULT_LORA_TARGETS)
+        targets = model_adapter_cls(model_config).LORA_TARGETS
     return targets if isinstance(targets, str) else list(targets)
-
-
-def _latent_shape(cfg: RolloutConfig, model_path: str) -> tuple[int, ...]:
-    """(C, H/f, W/f) from the checkpoint's configs (no weights loaded)."""
-    import json
-
-    vae = json.loads((Path(model_path) / "vae" / "config.json").read_text())
-    tr = json.loads((Path(model_path) / "transformer" / "config.json").read_text())
-    f = 2 ** (len(vae["block_out_channels"]) - 1)
-    return (int(tr["in_channels"]), cfg.height // f, cfg.width // f)
 
 
 # replica_rank -> the adapter living in this process (the server reaches it with __ray_call__).
