@@ -172,7 +172,7 @@ def test_every_adapter_architecture_has_a_pipeline_and_its_latent_shape(tmp_path
         for h, w in ((64, 64), (32, 96)):
             assert latent_shape_of(str(tmp_path / arch), h, w) == tuple(adapter.latent_shape(h, w)), (arch, h, w)
         with pytest.raises(ValueError, match="not a multiple of"):
-            latent_shape_of(str(tmp_path / arch), 40, 64)
+            latent_shape_of(str(tmp_path / arch), 66, 64)
         kw = engine_kwargs(str(tmp_path / arch), adapter_kwargs={"max_sequence_length": 8})
         assert kw["custom_pipeline_args"] == {"pipeline_class": "verl_diffusion.rollout.vllm_omni.pipelines."
                                               + PIPELINE_CLASSES[pipeline_name],
