@@ -9,6 +9,12 @@
 # checks for it) and diffusers 0.40 never change the main test suite.
 #
 #   bash scripts/setup_vllm_omni_cpu.sh            # creates .venv-vllm-omni (VENV=... to choose)
+#
+# vllm-omni 0.30 (docs/vllm_omni.md, "Versions": measured, not the default): its diffusion worker module does not
+# import on CPU (it loads transformers' Qwen2-VL image processor, which needs torchvision), and it requires
+# transformers >= 5.13 where verl 0.9.x requires < 5.11, so TRANSFORMERS_OVERRIDE installs that one --no-deps:
+#   VENV=.venv-vllm-omni-030 VLLM_OMNI_VERSION=0.30.0 VLLM_VERSION=0.30.0 TRANSFORMERS_OVERRIDE=transformers==5.14.1 \
+#     bash scripts/setup_vllm_omni_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -18,10 +24,10 @@ PIP="$PY -m pip install -q"
 # Overridable to try another release (docs/vllm_omni.md, "Versions"); the defaults are the pinned combination.
 VLLM_OMNI_VERSION="${VLLM_OMNI_VERSION:-0.28.0}"
 VLLM_VERSION="${VLLM_VERSION:-0.28.0}"
-TRANSFORMERS_SPEC="${TRANSFORMERS_SPEC:-transformers>=5.10.1,<5.11}"
+TRANSFORMERS_OVERRIDE="${TRANSFORMERS_OVERRIDE:-}"
 PINS="$(mktemp)"
 trap 'rm -f "$PINS"' EXIT
-printf '%s\n' "torch==2.13.0" "$TRANSFORMERS_SPEC" "diffusers==0.40.0" "accelerate==1.12.0" > "$PINS"
+printf '%s\n' "torch==2.13.0" "transformers>=5.10.1,<5.11" "diffusers==0.40.0" "accelerate==1.12.0" > "$PINS"
 
 "$PYTHON" -m venv "$VENV"
 $PIP --upgrade pip
@@ -38,12 +44,20 @@ $PIP --no-deps "xgrammar<1.0.0,>=0.2.1" "llguidance<1.8.0,>=1.7.0" "cache-dit==1
 # CUDA-linked wheels that a dependency (verl[verl-core]) brings and that fail to load next to CPU torch; vllm
 # guards both imports (ImportError), so without them its modules load.
 "$PY" -m pip uninstall -q -y torchvision torchcodec 2>/dev/null || true
+if [ -n "$TRANSFORMERS_OVERRIDE" ]; then $PIP --no-deps "$TRANSFORMERS_OVERRIDE"; fi
+# What the CPU tests need: registry, loader, data classes, request batch, model runner, engine. The worker layer and
+# AsyncOmni import with 0.28; where they do not (0.30), the tests that need them skip with the reason.
 "$PY" - <<'PY'
 import importlib.metadata as md
 import vllm_omni.diffusion.diffusion_engine, vllm_omni.diffusion.model_loader.diffusers_loader  # noqa: F401
-import vllm_omni.diffusion.worker.diffusion_model_runner, vllm_omni.diffusion.worker.diffusion_worker  # noqa: F401
-import vllm_omni.entrypoints.async_omni  # noqa: F401
+import vllm_omni.diffusion.registry, vllm_omni.diffusion.worker.request_batch  # noqa: F401
+import vllm_omni.diffusion.worker.diffusion_model_runner  # noqa: F401
+try:
+    import vllm_omni.diffusion.worker.diffusion_worker, vllm_omni.entrypoints.async_omni  # noqa: F401
+    worker = "worker layer and AsyncOmni import"
+except ImportError as err:
+    worker = f"worker layer does not import here ({err}): its tests skip"
 print("vllm-omni CPU environment:", ", ".join(f"{p} {md.version(p)}" for p in
-      ("vllm-omni", "vllm", "verl", "torch", "transformers", "diffusers")))
+      ("vllm-omni", "vllm", "verl", "torch", "transformers", "diffusers")) + ";", worker)
 PY
 touch "$VENV/.installed"

@@ -3,6 +3,9 @@
 Imported only by test modules that have already skipped when vllm-omni is absent.
 """
 
+import types
+
+import pytest
 import torch
 from vllm.config.load import LoadConfig
 from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -29,6 +32,24 @@ def load_pipeline(path, **kw):
     loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config(path, **kw))
     return loader.load_model(load_device="cpu", load_format="custom_pipeline",
                              custom_pipeline_name=pipeline_class_for(path), device=torch.device("cpu"))
+
+
+def extension_cls():
+    """``VerlDiffusionWorkerExtension``; skips where vllm-omni's worker module does not import: from 0.30 on it loads
+    every model's pipeline config, down to transformers' Qwen2-VL image processor, which needs torchvision (no CPU
+    wheel on this host)."""
+    try:
+        from verl_diffusion.rollout.vllm_omni.worker_extension import VerlDiffusionWorkerExtension
+    except ImportError as err:
+        pytest.skip(f"vllm-omni's worker module does not import on this host ({err}); the GPU tests cover it")
+    return VerlDiffusionWorkerExtension
+
+
+def worker_over(pipeline):
+    """Our worker extension over the real pipeline, as vllm-omni mixes it into its worker (``model_runner.pipeline``)."""
+    worker = extension_cls()()
+    worker.model_runner = types.SimpleNamespace(pipeline=pipeline)
+    return worker
 
 
 def engine_requests(cfg, request, path):

@@ -21,7 +21,7 @@ pytest.importorskip("vllm_omni", reason="vllm-omni is not installed here; `make 
                                         ".venv-vllm-omni")
 
 from omni_pipeline_helpers import (assert_bitwise, collate, diffusers_batch, engine_requests,  # noqa: E402
-                                   load_pipeline, max_abs_diff, run, train_rollout_gap)
+                                   load_pipeline, max_abs_diff, run, train_rollout_gap, worker_over)
 from vllm_omni.lora.request import LoRARequest  # noqa: E402
 from vllm_omni_cases import generate_request, rollout_config  # noqa: E402
 
@@ -31,7 +31,6 @@ from verl_diffusion.rollout.vllm_omni import latent_shape_of  # noqa: E402
 from verl_diffusion.rollout.vllm_omni.pipelines import PIPELINES  # noqa: E402
 from verl_diffusion.rollout.vllm_omni.protocol import write_lora_dir  # noqa: E402
 from verl_diffusion.rollout.vllm_omni.replica import split_lora_weights  # noqa: E402
-from verl_diffusion.rollout.vllm_omni.worker_extension import VerlDiffusionWorkerExtension  # noqa: E402
 
 # architecture -> (diffusers pipeline class, rollout settings, adapter_kwargs, save_tiny options)
 CASES = {
@@ -52,11 +51,9 @@ def case(request, tmp_path_factory):
     pipeline_name, rollout_kw, adapter_kw, save_kw = CASES[arch]
     path = str(save_tiny(arch, tmp_path_factory.mktemp("vllm_omni") / arch, **save_kw))
     pipeline = load_pipeline(path, adapter_kwargs=adapter_kw)
-    worker = VerlDiffusionWorkerExtension()
-    worker.model_runner = types.SimpleNamespace(pipeline=pipeline)
     adapter_cls = get_adapter_cls(arch)
     return types.SimpleNamespace(
-        arch=arch, pipeline_name=pipeline_name, path=path, pipeline=pipeline, worker=worker,
+        arch=arch, pipeline_name=pipeline_name, path=path, pipeline=pipeline,
         adapter_cls=adapter_cls, adapter_kw=adapter_kw, reference=adapter_cls.from_pretrained(path, **adapter_kw),
         cfg=rollout_config(grid="scheduler", **rollout_kw), guidance_scale=rollout_kw.get("guidance_scale", 1.0))
 
@@ -120,7 +117,7 @@ def _trainer_with_lora(case, seed):
 
 def test_lora_then_full_weights_are_bitwise_the_trainers(case, tmp_path):
     # One row per prompt keeps it cheap; the SD3 tests check the full batch and the return to the base model.
-    worker, pipeline, cfg = case.worker, case.pipeline, case.cfg
+    worker, pipeline, cfg = worker_over(case.pipeline), case.pipeline, case.cfg
     request = generate_request(seed=13, prompts=["a cat", "the word ok"], group_ids=[0, 1])
     config = {"r": 4, "lora_alpha": 8, "target_modules": case.reference.lora_targets()}
     trained1, named1 = _trainer_with_lora(case, seed=1)

@@ -18,8 +18,8 @@ import torch
 vllm_omni = pytest.importorskip(
     "vllm_omni", reason="vllm-omni is not installed here; `make test-vllm-omni` runs these tests in .venv-vllm-omni")
 
-from omni_pipeline_helpers import (assert_bitwise, collate, diffusers_batch, load_pipeline, od_config,  # noqa: E402
-                                   run, train_rollout_gap)
+from omni_pipeline_helpers import (assert_bitwise, collate, diffusers_batch, extension_cls,  # noqa: E402
+                                   load_pipeline, od_config, run, train_rollout_gap, worker_over)
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
@@ -30,7 +30,6 @@ from verl_diffusion.models.sd3 import SD3Adapter  # noqa: E402
 from verl_diffusion.rollout.vllm_omni.pipelines import PIPELINES, SD3RolloutPipeline  # noqa: E402
 from verl_diffusion.rollout.vllm_omni.protocol import collate_trajectories, write_lora_dir  # noqa: E402
 from verl_diffusion.rollout.vllm_omni.replica import build_engine_requests, split_lora_weights, trajectory_of  # noqa: E402
-from verl_diffusion.rollout.vllm_omni.worker_extension import VerlDiffusionWorkerExtension  # noqa: E402
 
 LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
 
@@ -44,9 +43,7 @@ def pipeline(tiny_sd3_path):
 @pytest.fixture(scope="module")
 def worker(pipeline):
     """Our worker extension over the real pipeline, as vllm-omni mixes it into its worker (model_runner.pipeline)."""
-    w = VerlDiffusionWorkerExtension()
-    w.model_runner = types.SimpleNamespace(pipeline=pipeline)
-    return w
+    return worker_over(pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +178,8 @@ def test_extension_methods_win_over_the_workers_own(tiny_sd3_path):
     """vllm-omni builds type(name, (extension, DiffusionWorker), {}): our LoRA entry points must come first, and
     the engine config carries our pipeline and extension."""
     from vllm_omni.diffusion.diffusion_engine import _resolve_custom_pipeline_cls, supports_request_batch
+
+    VerlDiffusionWorkerExtension = extension_cls()
     from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
 
     mixed = type("Mixed", (VerlDiffusionWorkerExtension, DiffusionWorker), {})
