@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_smoke.sh                       # every recipe below
 #   bash scripts/gpu_smoke.sh qwenimage_ocr_flowgrpo flux1_dev_pickscore_flow_dppo
+#   bash scripts/gpu_smoke.sh vllm-omni               # only the vllm-omni engine checks (tiny SD3, Qwen-Image,
+#                                                     # FLUX.1, FLUX.2 klein; ~1 engine start per architecture)
 #
 # The recipe's own loss, sampler, window, steps, grid, guidance, dtype, LoRA and FSDP settings at 512 px, shrunk to
 # one GPU (2 prompts × 4 images, 3 steps, validation at step 3). Model weights: set SD35_PATH, QWEN_IMAGE_PATH,
@@ -12,17 +14,22 @@
 # Extra hydra overrides: SMOKE_ARGS="k=v k=v".
 # Run from the repository root.
 # Then the vllm-omni engine checks (docs/vllm_omni.md) when vllm-omni is installed
-# (pip install -e '.[vllm-omni]').
+# (pip install -e '.[vllm-omni]'): our pipelines served by AsyncOmni, LoRA add/remove, collective_rpc weights,
+# sleep / wake, for every architecture.
 set -euo pipefail
 ROOT="${VERL_DIFFUSION_RUN_ROOT:-/tmp/verl_diffusion_gpu_smoke}"
 export VERL_DIFFUSION_RUN_ROOT="$ROOT"
 RECIPES=("$@")
-if [ ${#RECIPES[@]} -eq 0 ]; then
+if [ "${RECIPES[*]:-}" = "vllm-omni" ]; then
+  RECIPES=()
+  ONLY_VLLM_OMNI=1
+fi
+if [ ${#RECIPES[@]} -eq 0 ] && [ -z "${ONLY_VLLM_OMNI:-}" ]; then
   RECIPES=(sd35_ocr_flowgrpo qwenimage_ocr_flowgrpo qwenimage_hpsv3_path_space qwenimage_hpsv3_diffusion_nft
            flux2_klein_ocr_flow_dppo flux1_dev_pickscore_flow_dppo)
 fi
 
-for recipe in "${RECIPES[@]}"; do
+for recipe in "${RECIPES[@]+"${RECIPES[@]}"}"; do
   case "$recipe" in
     sd35_*)        arch=sd3;         model="${SD35_PATH:-}" ;;
     qwenimage_*)   arch=qwen_image;  model="${QWEN_IMAGE_PATH:-}" ;;
@@ -67,7 +74,7 @@ PY
 done
 # vllm-omni's diffusion engine with our pipelines: generate, LoRA add/remove, collective_rpc weights, sleep/wake.
 if python -c "import vllm_omni" 2>/dev/null; then
-  python -m pytest -q -s -p no:cacheprovider tests/rollout/vllm_omni_rollout
+  python -m pytest -q -s -p no:cacheprovider -rs tests/rollout/vllm_omni_rollout
 else
   echo "vllm-omni not installed: pip install -e '.[vllm-omni]' to run tests/rollout/vllm_omni_rollout/*_gpu.py"
 fi

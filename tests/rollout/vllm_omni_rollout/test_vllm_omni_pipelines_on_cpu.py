@@ -19,7 +19,7 @@ vllm_omni = pytest.importorskip(
     "vllm_omni", reason="vllm-omni is not installed here; `make test-vllm-omni` runs these tests in .venv-vllm-omni")
 
 from omni_pipeline_helpers import (assert_bitwise, collate, diffusers_batch, extension_cls,  # noqa: E402
-                                   load_pipeline, od_config, run, train_rollout_gap, worker_over)
+                                   load_pipeline, max_abs_diff, od_config, run, train_rollout_gap, worker_over)
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
@@ -89,6 +89,7 @@ def test_rows_split_across_vllm_omni_batches_match_to_round_off(pipeline, refere
     ref = diffusers_batch(reference, rollout_config(micro_batch_size=3), request)
     for sizes in ([2, 4], [1] * 6):
         got = collate(run(pipeline, engine_requests(rollout_config(micro_batch_size=3), request), sizes))
+        print(f"\nsd3: rows in vllm-omni batches {sizes}: max |Δ| latents/log-probs = {max_abs_diff(got, ref):.2e}")
         for key in ("all_latents", "rollout_log_probs", "prompt_embeds", "old_velocities"):
             torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=1e-4, msg=f"{sizes} {key}")
         assert torch.equal(got["train_mask"], ref["train_mask"]) and torch.equal(got["sde_std"], ref["sde_std"])
