@@ -190,3 +190,74 @@ def test_collate_pads_variable_length_text_with_mask_zero():
     assert batch["prompt_embeds"][0, 3:].abs().sum() == 0 and torch.equal(batch["prompt_embeds"][1], 2 * torch.ones(5, 2))
     with pytest.raises(ValueError, match="no 'prompt_mask'"):
         collate_trajectories([{"prompt_embeds": torch.ones(3, 2)}, {"prompt_embeds": torch.ones(4, 2)}])
+
+
+class _RecordingEngine:
+    """Stands in for AsyncOmni behind the adapter's engine thread: records the control calls the adapter makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def _record(self, *call):
+        self.calls.append(call)
+        return True
+
+    def add_lora(self, request):
+        return self._record("add_lora", request.lora_int_id, request.lora_path)
+
+    def remove_lora(self, adapter_id):
+        return self._record("remove_lora", adapter_id)
+
+    def collective_rpc(self, method, args=()):
+        return self._record("collective_rpc", method, [name for name, _ in args[0]])
+
+    def sleep(self, level):
+        return self._record("sleep", level)
+
+    def wake_up(self, tags=None):
+        return self._record("wake_up", tags)
+
+
+def test_adapter_drives_the_engines_lora_rpc_and_sleep_api(tiny_sd3_path, monkeypatch):
+    """What the adapter asks of AsyncOmni (the engine itself needs a GPU): a LoRA sync is add_lora(new id) with a peft
+    directory of the new weights, then remove_lora(old id); full weights go through collective_rpc's
+    verl_load_weights; release / resume are sleep(level=1) / wake_up, and nothing when sleep mode is off."""
+    import asyncio
+    import sys
+    import threading
+    import types
+
+    from verl_diffusion.rollout.vllm_omni.replica import _EngineThread
+
+    class LoRARequest:                       # vllm_omni.lora.request.LoRARequest's positional fields
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+    for name in ("vllm_omni", "vllm_omni.lora"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm_omni.lora.request", types.SimpleNamespace(LoRARequest=LoRARequest))
+    adapter = _adapter(tiny_sd3_path)
+    engine = _RecordingEngine()
+    thread = _EngineThread.__new__(_EngineThread)      # its loop thread, as in production; our engine instead
+    thread.loop = asyncio.new_event_loop()
+    thread.thread = threading.Thread(target=thread.loop.run_forever, daemon=True)
+    thread.thread.start()
+    thread.engine = engine
+    adapter._engine = thread
+    lora = [("a.to_q.lora_A.default.weight", torch.ones(4, 8)), ("a.to_q.lora_B.default.weight", torch.zeros(8, 4))]
+    for step in (1, 2):
+        asyncio.run(adapter.update_weights(iter(lora), global_steps=step))
+    asyncio.run(adapter.update_weights(iter([("a.to_q.weight", torch.ones(8, 8))]), global_steps=3))
+    asyncio.run(adapter.release())
+    asyncio.run(adapter.resume(tags=["weights"]))
+    names = [c[0] for c in engine.calls]
+    assert names == ["add_lora", "add_lora", "remove_lora", "collective_rpc", "sleep", "wake_up"]
+    assert [engine.calls[0][1], engine.calls[1][1], engine.calls[2][1]] == [1, 2, 1]
+    state, config = read_lora_dir(engine.calls[1][2])
+    assert sorted(state) == ["a.to_q.lora_A.weight", "a.to_q.lora_B.weight"] and config["r"] == 4
+    assert engine.calls[3][1:] == ("verl_load_weights", ["a.to_q.weight"])
+    assert engine.calls[4][1:] == (1,) and engine.calls[5][1:] == (["weights"],)
+    adapter.engine_kwargs["enable_sleep_mode"] = False
+    asyncio.run(adapter.release())
+    assert len(engine.calls) == 6
+    thread.loop.call_soon_threadsafe(thread.loop.stop)
