@@ -198,7 +198,10 @@ def test_registered_architecture_resolves_in_vllm_omni_registry():
     from verl_diffusion.rollout.vllm_omni.pipelines import register_pipelines
 
     names = register_pipelines()
-    assert DiffusionModelRegistry._try_load_model_cls(names["StableDiffusion3Pipeline"]) is SD3RolloutPipeline
+    assert sorted(names) == sorted(PIPELINES) == ["Flux2KleinPipeline", "FluxPipeline", "QwenImagePipeline",
+                                                  "StableDiffusion3Pipeline"]
+    for arch, cls in PIPELINES.items():
+        assert DiffusionModelRegistry._try_load_model_cls(names[arch]) is cls, arch
 
 
 def test_request_without_our_plan_is_refused(pipeline):
