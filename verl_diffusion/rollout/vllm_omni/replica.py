@@ -196,8 +196,11 @@ class _EngineThread:
 
     def shutdown(self) -> None:
         """Stop the engine (its worker processes) and the loop thread."""
-        try:
+        async def stop_engine():           # on the engine's loop: it cancels the engine's output task there
             self.engine.shutdown()
+
+        try:
+            self.call(stop_engine(), timeout=120)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
