@@ -217,11 +217,15 @@ class _RecordingEngine:
     def wake_up(self, tags=None):
         return self._record("wake_up", tags)
 
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
 
 def test_adapter_drives_the_engines_lora_rpc_and_sleep_api(tiny_sd3_path, monkeypatch):
     """What the adapter asks of AsyncOmni (the engine itself needs a GPU): a LoRA sync is add_lora(new id) with a peft
     directory of the new weights, then remove_lora(old id); full weights go through collective_rpc's
-    verl_load_weights; release / resume are sleep(level=1) / wake_up, and nothing when sleep mode is off."""
+    verl_load_weights; release / resume are sleep(level=1) / wake_up, and nothing when sleep mode is off; shutdown
+    stops the engine on its loop, then the loop thread."""
     import asyncio
     import sys
     import threading
@@ -260,4 +264,5 @@ def test_adapter_drives_the_engines_lora_rpc_and_sleep_api(tiny_sd3_path, monkey
     adapter.engine_kwargs["enable_sleep_mode"] = False
     asyncio.run(adapter.release())
     assert len(engine.calls) == 6
-    thread.loop.call_soon_threadsafe(thread.loop.stop)
+    adapter.shutdown_engine()
+    assert engine.calls[-1] == ("shutdown",) and adapter._engine is None and not thread.thread.is_alive()
