@@ -38,6 +38,7 @@ def register_all() -> None:
     _register_engine()
     _register_reward_managers()
     _register_vllm_omni_rollout()
+    _register_checkpoint_engine()
     _DONE = True
 
 
@@ -68,6 +69,17 @@ def _register_vllm_omni_rollout() -> None:
     rollout_base._ROLLOUT_REGISTRY[("vllm_omni", "async")] = \
         "verl_diffusion.rollout.vllm_omni.replica.VllmOmniServerAdapter"
     _REGISTERED.extend(["rollout_replica:vllm_omni", "rollout_adapter:vllm_omni"])
+
+
+def _register_checkpoint_engine() -> None:
+    """``diffusion_gloo`` in verl's ``CheckpointEngineRegistry``: weight sync to standalone / async diffusers
+    replicas, on CPU and GPU (rollout/checkpoint_engine.py)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    from verl_diffusion.rollout.checkpoint_engine import BACKEND, engine_class
+
+    CheckpointEngineRegistry.register(BACKEND)(engine_class())
+    _REGISTERED.append(f"checkpoint_engine:{BACKEND}")
 
 
 def _register_engine() -> None:
