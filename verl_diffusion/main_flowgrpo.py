@@ -89,6 +89,20 @@ def validate_config(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.model.architecture={arr.model.get('architecture')!r} wraps a "
                           f"{adapter_cls.architecture}, but model.path holds a {found}; drop the architecture key "
                           "(it is read from model_index.json) or point model.path at a matching model")
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    import verl_diffusion.trainer.flowgrpo_trainer  # noqa: F401  (registers the diffusion_sync trainer)
+
+    mode = str(cfg.trainer.get("v1", {}).get("trainer_mode", "diffusion_sync"))
+    ours = sorted(k for k in TRAINER_REGISTRY if k.startswith("diffusion"))
+    if mode not in ours:
+        raise ConfigError(f"trainer.v1.trainer_mode={mode!r} is not a diffusion trainer; choose one of {ours} "
+                          "(verl's own sync/async trainers train language models)")
+    name = str(arr.rollout.get("name", "diffusers"))
+    if name not in RolloutReplicaRegistry._registry:
+        raise ConfigError(f"actor_rollout_ref.rollout.name={name!r} is not a registered rollout replica; choose one "
+                          f"of {sorted(RolloutReplicaRegistry._registry)}")
     from verl_diffusion import config_checks
 
     try:
@@ -299,11 +313,9 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
 
     import ray
     from omegaconf import OmegaConf, open_dict
+    from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from verl.trainer.ppo.utils import Role
-
-    from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, make_resource_pool_manager
-    from verl_diffusion.workers.worker import DiffusionActorRolloutRefWorker
+    import verl_diffusion.trainer.flowgrpo_trainer  # noqa: F401  (registers the diffusion_sync trainer)
 
     with open_dict(cfg):
         cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")
@@ -320,13 +332,9 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         if platform == "cpu":
             kwargs["num_cpus"] = max(workers, os.cpu_count() or 1)
         ray.init(**kwargs)
-    pools = make_resource_pool_manager(cfg)
     trainer = None
     try:
-        trainer = RayFlowGRPOTrainer(
-            config=cfg, role_worker_mapping={Role.ActorRollout: ray.remote(DiffusionActorRolloutRefWorker)},
-            resource_pool_manager=pools, reward_fn=reward_fn,
-            device_name=cfg.trainer.device, run_dir=run_dir)
+        trainer = get_trainer_cls(str(cfg.trainer.v1.trainer_mode))(config=cfg, reward_fn=reward_fn, run_dir=run_dir)
         trainer.resume_point = plan.resume
         trainer.init_workers()
         history = trainer.fit()
@@ -339,7 +347,7 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         if own_ray:
             ray.shutdown()
         else:
-            release_workers(trainer, pools)
+            release_workers(trainer, getattr(trainer, "resource_pool_manager", None))
 
 
 def release_workers(trainer, pools) -> None:
@@ -351,7 +359,7 @@ def release_workers(trainer, pools) -> None:
     group = getattr(trainer, "actor_rollout_wg", None) if trainer is not None else None
     for worker in list(getattr(group, "_workers", None) or []):
         ray.kill(worker)
-    for pool in pools.resource_pool_dict.values():
+    for pool in (pools.resource_pool_dict.values() if pools is not None else []):
         for pg in list(pool.pgs or []):
             remove_placement_group(pg)
 

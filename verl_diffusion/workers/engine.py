@@ -222,6 +222,9 @@ class DiffusersFSDPEngine(FSDPEngine):
         self.ref_velocity_fn: Optional[Callable] = None
         # Optimizer steps taken so far (n of the old-policy schedules, SPEC §8.2; saved by the worker).
         self.optimizer_steps = 0
+        # Set by the worker before an update: the next training call records rollout/logprob_abs_diff (its first
+        # mini-batch runs before any optimizer step, i.e. with the weights the rollout sampled with).
+        self.consistency_probe = False
 
     # ------------------------------------------------------------------ build
 
@@ -380,6 +383,7 @@ class DiffusersFSDPEngine(FSDPEngine):
         assert isinstance(loss_function, DiffusionStepLoss), "the diffusion engine needs a DiffusionStepLoss"
         ref_fn = self.reference_velocity_fn() if loss_function.needs_reference() else None
         total_items = max(int(rows_all["train_mask"][:, steps].sum()) if steps else 0, 1)
+        probe, self.consistency_probe = self.consistency_probe, False
         losses = []
         todo = [(m, k) for m in range(len(micro)) for k in steps if bool(table[m, k])]
         for i_backward, (m, k) in enumerate(todo, start=1):
@@ -398,6 +402,11 @@ class DiffusersFSDPEngine(FSDPEngine):
                     if q.log_prob is not None and "old_log_prob" in loss_function.spec.batch_keys:
                         lr_ = q.log_prob.detach() - st["old_log_prob"]
                         metrics.setdefault("actor/log_ratio_abs_max", []).append(float(lr_.abs().max()))
+                    if probe and q.log_prob is not None and st.get("rollout_log_prob") is not None:
+                        # Train/rollout consistency (DESIGN §3 step 6): log π_train of this forward vs the
+                        # rollout's log π at the same (x_t, x_next), mean over the rows; free, no extra forward.
+                        gap = (q.log_prob.detach().float() - st["rollout_log_prob"].float()).abs().mean()
+                        metrics.setdefault("rollout/logprob_abs_diff", []).append(float(gap))
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:

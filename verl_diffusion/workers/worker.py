@@ -257,6 +257,14 @@ class DiffusionActorRolloutRefWorker(Worker):
 
         engine.velocity_fn_factory = velocity_factory
         self.rollout = DiffusersRollout(self.adapter, rollout_cfg)
+        # The colocated replica's in-worker adapter, found the way verl finds its own (``_ROLLOUT_REGISTRY``);
+        # replica r is worker r, so the driver-side replica server reaches it by this worker's rank.
+        from verl.workers.rollout.base import get_rollout_class
+
+        name = str(self.config.rollout.get("name", "diffusers"))
+        self.rollout_adapter = get_rollout_class(name, "async")(
+            config=self.config.rollout, model_config=self.config.model, replica_rank=self.rank,
+            generate_fn=self._serve_rollout, module=engine.module)
 
         # 3. reference: LoRA -> the adapter disabled (engine default); full fine-tune + KL -> frozen copy.
         if self.step_loss.needs_reference() and not engine._is_lora:
@@ -319,8 +327,32 @@ class DiffusionActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ rollout
 
+    def _serve_rollout(self, prompts: DataProto) -> DataProto:
+        """What the replica's adapter runs for a request: validation images (``meta_info['validate']``) or a
+        training rollout of this rank's rows."""
+        if prompts.meta_info.get("validate", False):
+            return self._generate_validation(prompts)
+        return self._generate_sequences(prompts)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def update_weights(self, global_steps: Optional[int] = None, mode: str = "naive"):
+        """verl's naive checkpoint-engine path (V1 sync): hand the actor's parameters to the in-worker rollout
+        adapter. Colocated, they are the sampler's own tensors: the adapter checks that and records the version."""
+        import asyncio
+
+        if mode != "naive":
+            raise ValueError(f"update_weights(mode={mode!r}): the colocated diffusers replica takes the naive "
+                             "(in-process) path only")
+        params = ((n, p) for n, p in self.actor.engine.module.named_parameters())
+        asyncio.run(self.rollout_adapter.update_weights(params, global_steps=global_steps))
+        return {"rollout/foreign_tensors": float(self.rollout_adapter.foreign_tensors)}
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Rollout of this rank's samples (the same as a replica request; kept for direct worker tests)."""
+        return self._generate_sequences(prompts)
+
+    def _generate_sequences(self, prompts: DataProto) -> DataProto:
         """Rollout of this rank's samples (prompts already repeated n times, ``uid`` per group)."""
         meta = prompts.meta_info
         texts = [str(p) for p in prompts.non_tensor_batch["prompt"]]
@@ -359,6 +391,10 @@ class DiffusionActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_validation(self, data: DataProto) -> DataProto:
+        """ODE images of fixed prompts and seeds (the same as a validation replica request)."""
+        return self._generate_validation(data)
+
+    def _generate_validation(self, data: DataProto) -> DataProto:
         """ODE images of fixed prompts and seeds (EMA weights when an EMA is kept)."""
         texts = [str(p) for p in data.non_tensor_batch["prompt"]]
         seeds = [int(s) for s in data.non_tensor_batch["seed"]]
@@ -426,6 +462,7 @@ class DiffusionActorRolloutRefWorker(Worker):
         tu.assign_non_tensor(td, mini_batch_size=mini, epochs=int(meta.get("ppo_epochs", 1)),
                              seed=int(meta.get("seed", 0)),
                              dataloader_kwargs={"shuffle": bool(meta.get("shuffle", False))})
+        engine.consistency_probe = True
         out = self.actor.train_mini_batch(td)
         self._cache = None
         metrics = dict(tu.get(out, "metrics")) if out is not None else {}
