@@ -330,7 +330,11 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
                                   "log_to_driver": bool(cfg.trainer.get("ray_log_to_driver", True))}
         if platform == "cpu":
-            kwargs["num_cpus"] = max(workers, os.cpu_count() or 1)
+            from verl_diffusion.rollout.diffusers_standalone import num_standalone_replicas, placement
+
+            rollout = cfg.actor_rollout_ref.rollout
+            replicas = num_standalone_replicas(rollout) if placement(rollout) == "standalone" else 0
+            kwargs["num_cpus"] = max(workers + replicas, os.cpu_count() or 1)
         ray.init(**kwargs)
     trainer = None
     try:

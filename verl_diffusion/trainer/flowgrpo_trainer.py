@@ -266,6 +266,10 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.rollout.replica import RolloutReplicaRegistry
 
+        from verl_diffusion.rollout.diffusers_standalone import resolve_standalone_config
+
+        # rollout.placement=standalone: the sampler in replicas of its own, weights through a real backend.
+        standalone_backend = resolve_standalone_config(self.config.actor_rollout_ref)
         self._init_tokenizer()
         self._init_dataloader()
         self._init_dump_executor()
@@ -284,17 +288,24 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.use_rm = False
 
         rollout = self.config.actor_rollout_ref.rollout
-        replica_cls = RolloutReplicaRegistry.get(str(rollout.get("name", "diffusers")))
-        self.rollout_replicas = [replica_cls(replica_rank=r, config=rollout, model_config=self.config.actor_rollout_ref.model,
-                                             gpus_per_node=int(self.config.trainer.n_gpus_per_node))
-                                 for r in range(self.world_size)]
-
-        async def launch():
-            await asyncio.gather(*[r.init_hybrid(self.actor_rollout_wg) for r in self.rollout_replicas])
-
-        asyncio.run(launch())
         engine_cfg = omega_conf_to_dataclass(rollout.checkpoint_engine)
-        engine_cfg.backend = "naive"
+        if standalone_backend is not None:
+            from verl_diffusion.rollout.diffusers_standalone import launch_standalone_replicas
+
+            self.rollout_replicas = launch_standalone_replicas(self.config.actor_rollout_ref)
+            engine_cfg.backend = standalone_backend
+        else:
+            replica_cls = RolloutReplicaRegistry.get(str(rollout.get("name", "diffusers")))
+            self.rollout_replicas = [replica_cls(replica_rank=r, config=rollout,
+                                                 model_config=self.config.actor_rollout_ref.model,
+                                                 gpus_per_node=int(self.config.trainer.n_gpus_per_node))
+                                     for r in range(self.world_size)]
+
+            async def launch():
+                await asyncio.gather(*[r.init_hybrid(self.actor_rollout_wg) for r in self.rollout_replicas])
+
+            asyncio.run(launch())
+            engine_cfg.backend = "naive"
         self.checkpoint_manager = CheckpointEngineManager(config=engine_cfg, actor_wg=self.actor_rollout_wg,
                                                           replicas=self.rollout_replicas)
         self.checkpoint_manager.sleep_replicas()

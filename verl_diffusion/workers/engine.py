@@ -208,6 +208,32 @@ def default_velocity_fn(module: torch.nn.Module) -> Callable:
     return velocity
 
 
+def inject_lora(module: torch.nn.Module, model_config) -> torch.nn.Module:
+    """peft LoRA layers injected into ``module`` in place (``DiffusionModelConfig``: rank, alpha, targets, init,
+    adapter path); only the adapter trains. The engine and a standalone rollout replica build the same layers."""
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    targets = model_config.target_modules
+    targets = list(targets) if not isinstance(targets, str) else targets
+    cfg = LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha,
+                     target_modules=targets, init_lora_weights=model_config.init_lora_weights,
+                     bias="none")
+    module.requires_grad_(False)
+    inject_adapter_in_model(cfg, module, adapter_name="default")
+    if model_config.lora_adapter_path:
+        from safetensors.torch import load_file
+
+        path = model_config.lora_adapter_path
+        f = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
+        set_peft_model_state_dict(module, load_file(f), adapter_name="default")
+    base_dtype = next((p.dtype for n, p in module.named_parameters() if "lora_" not in n), None)
+    for name, p in module.named_parameters():
+        p.requires_grad_("lora_" in name)
+        if "lora_" in name and base_dtype is not None and p.dtype != base_dtype:
+            p.data = p.data.to(base_dtype)
+    return module
+
+
 class DiffusersFSDPEngine(FSDPEngine):
     """verl's FSDP engine around a diffusers transformer, trained with a per-timestep loss."""
 
@@ -253,27 +279,7 @@ class DiffusersFSDPEngine(FSDPEngine):
         """peft LoRA injected in place (no ``PeftModel`` wrapper, no ``TaskType.CAUSAL_LM``): the module keeps
         its diffusers class, so FSDP2 still finds ``_no_split_modules`` and the model adapter's
         ``disable_adapter`` (``models.base.disable_lora_layers``) works on the wrapped module."""
-        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-
-        targets = self.model_config.target_modules
-        targets = list(targets) if not isinstance(targets, str) else targets
-        cfg = LoraConfig(r=self.model_config.lora_rank, lora_alpha=self.model_config.lora_alpha,
-                         target_modules=targets, init_lora_weights=self.model_config.init_lora_weights,
-                         bias="none")
-        module.requires_grad_(False)
-        inject_adapter_in_model(cfg, module, adapter_name="default")
-        if self.model_config.lora_adapter_path:
-            from safetensors.torch import load_file
-
-            path = self.model_config.lora_adapter_path
-            f = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
-            set_peft_model_state_dict(module, load_file(f), adapter_name="default")
-        base_dtype = next((p.dtype for n, p in module.named_parameters() if "lora_" not in n), None)
-        for name, p in module.named_parameters():
-            p.requires_grad_("lora_" in name)
-            if "lora_" in name and base_dtype is not None and p.dtype != base_dtype:
-                p.data = p.data.to(base_dtype)
-        return module
+        return inject_lora(module, self.model_config)
 
     def _build_fsdp_module(self, module):
         with _cpu_offload_without_pinning():

@@ -1,5 +1,6 @@
-"""The actor side of weight sync (DESIGN §3.7, §4): the two RPCs verl's ``CheckpointEngineManager`` calls on the
-actor worker group, ``update_weights(global_steps, mode)`` and ``execute_checkpoint_engine(method, ...)``.
+"""The actor side of weight sync (DESIGN §3.7, §4): what verl's ``CheckpointEngineManager`` needs from the actor
+worker group besides its ``update_weights(global_steps, mode)`` RPC (the worker's, which calls :meth:`send_weights`
+for every backend but ``naive``): ``execute_checkpoint_engine(method, ...)`` and the engine itself.
 
 Backend ``naive`` (colocated replica): the rollout samples with the actor's own module, nothing moves. Any other
 backend (``diffusion_gloo``, or one a user registers): the actor's transformer weights go through the backend's
@@ -61,23 +62,20 @@ class WeightSyncSender:
                 s["backend"], is_master=(int(self.rank) == 0), bucket_size=s["bucket_size"], **s["engine_kwargs"])
         return self._weight_sync_engine
 
-    @property
-    def checkpoint_engine(self):
-        return self._checkpoint_engine()
-
     def weight_sync_backend(self) -> str:
         return checkpoint_engine_settings(self.config.rollout)["backend"]
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def update_weights(self, global_steps: Optional[int] = None, mode: str = "auto") -> dict:
-        """Send the actor's weights through the checkpoint engine (every actor rank walks the weights: gathering a
-        shard is collective). ``naive``: the colocated rollout already samples with these weights; returns {}."""
+    def send_weights(self, global_steps: Optional[int] = None, backend: Optional[str] = None) -> dict:
+        """Send the actor's transformer through the checkpoint engine (the worker's ``update_weights`` calls this for
+        every backend but ``naive``). Every actor rank walks the weights: gathering a shard is collective. A LoRA
+        actor sends its adapter tensors only. Returns the engine's ``weight_sync/...`` metrics (rank 0)."""
         from verl_diffusion.rollout.checkpoint_engine import actor_weights
         from verl_diffusion.workers.worker import _reshard
 
-        backend = self.weight_sync_backend() if mode == "auto" else mode
-        if backend == "naive":
-            return {}
+        backend = backend or self.weight_sync_backend()
+        if backend != self.weight_sync_backend():
+            raise ValueError(f"update_weights(mode={backend!r}) but actor_rollout_ref.rollout.checkpoint_engine."
+                             f"backend={self.weight_sync_backend()!r}; the engine is built from the config")
         engine = self.actor.engine
         _reshard(engine)
         weights = actor_weights(engine.module, lora_only=bool(getattr(engine, "_is_lora", False)))

@@ -27,6 +27,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.device import get_device_name
 
 from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, prepare_steps
+from verl_diffusion.workers.weight_sync import WeightSyncSender
 
 # Rollout keys that travel to the engine (images and strings stay behind).
 _TRAIN_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
@@ -157,7 +158,25 @@ def branched_settings(rollout_cfg) -> Optional[dict]:
     return {"num_children": kb, "branch_steps": steps}
 
 
-class DiffusionActorRolloutRefWorker(Worker):
+def diffusion_model_config(m, *, lora: bool):
+    """The engine's DiffusionModelConfig from ``actor_rollout_ref.model`` (also what a standalone replica builds)."""
+    from verl_diffusion.workers.engine import DiffusionModelConfig
+
+    targets = _plain(m.get("target_modules", None))
+    if targets in (None, "all-linear"):
+        # The architecture's own list: every attention / feed-forward projection (Qwen-Image, FLUX), or
+        # Flow-GRPO's joint-attention projections (SD3).
+        targets = model_adapter_cls(m).LORA_TARGETS
+        targets = targets if isinstance(targets, str) else list(targets)
+    return DiffusionModelConfig(
+        path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
+        lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
+        target_modules=targets, init_lora_weights=m.get("init_lora_weights", True),
+        lora_adapter_path=m.get("lora_adapter_path", None),
+        enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
+
+
+class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
     """Actor (verl TrainingWorker + our engine) + in-process diffusers rollout (+ frozen reference)."""
 
     def __init__(self, config: DictConfig, role: str = "actor_rollout"):
@@ -198,21 +217,7 @@ class DiffusionActorRolloutRefWorker(Worker):
                                     engine_config=engine_config, optimizer_config=optim, checkpoint_config=ckpt)
 
     def _model_config(self, *, lora: bool):
-        from verl_diffusion.workers.engine import DiffusionModelConfig
-
-        m = self.config.model
-        targets = _plain(m.get("target_modules", None))
-        if targets in (None, "all-linear"):
-            # The architecture's own list: every attention / feed-forward projection (Qwen-Image, FLUX), or
-            # Flow-GRPO's joint-attention projections (SD3).
-            targets = model_adapter_cls(m).LORA_TARGETS
-            targets = targets if isinstance(targets, str) else list(targets)
-        return DiffusionModelConfig(
-            path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
-            lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
-            target_modules=targets, init_lora_weights=m.get("init_lora_weights", True),
-            lora_adapter_path=m.get("lora_adapter_path", None),
-            enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
+        return diffusion_model_config(self.config.model, lora=lora)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -336,13 +341,13 @@ class DiffusionActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def update_weights(self, global_steps: Optional[int] = None, mode: str = "naive"):
-        """verl's naive checkpoint-engine path (V1 sync): hand the actor's parameters to the in-worker rollout
-        adapter. Colocated, they are the sampler's own tensors: the adapter checks that and records the version."""
+        """verl's checkpoint-engine weight sync. ``naive`` (V1 sync, colocated): hand the actor's parameters to the
+        in-worker rollout adapter; they are the sampler's own tensors, the adapter checks that and records the
+        version. Any other backend (standalone / async replicas): send the weights through it (weight_sync.py)."""
         import asyncio
 
         if mode != "naive":
-            raise ValueError(f"update_weights(mode={mode!r}): the colocated diffusers replica takes the naive "
-                             "(in-process) path only")
+            return self.send_weights(global_steps=global_steps, backend=mode)
         params = ((n, p) for n, p in self.actor.engine.module.named_parameters())
         asyncio.run(self.rollout_adapter.update_weights(params, global_steps=global_steps))
         return {"rollout/foreign_tensors": float(self.rollout_adapter.foreign_tensors)}
