@@ -366,6 +366,9 @@ def release_workers(trainer, pools) -> None:
     for pool in (pools.resource_pool_dict.values() if pools is not None else []):
         for pg in list(pool.pgs or []):
             remove_placement_group(pg)
+    for replica in list(getattr(trainer, "rollout_replicas", None) or []):
+        if hasattr(replica, "shutdown"):      # standalone replicas: their own processes and placement groups
+            replica.shutdown()
 
 
 def _hydra_main():

@@ -330,6 +330,17 @@ def _make_replica_class():
             self.workers = group.workers
             await self.launch_servers()
 
+        def shutdown(self):
+            """Kill this replica's worker and remove its placement group (a Ray session that outlives the run)."""
+            import ray
+            from ray.util import remove_placement_group
+
+            for worker in self.workers:
+                ray.kill(worker)
+            for pg in list(getattr(self.resource_pool, "pgs", None) or []):
+                remove_placement_group(pg)
+            self.workers, self.servers = [], []
+
         async def launch_servers(self):
             self.servers = list(self.workers)     # the worker is its own server
             self._server_handle = StandaloneServer(self.workers[0])
