@@ -282,7 +282,8 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.actor_rollout_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device_name)
         self.world_size = self.actor_rollout_wg.world_size
         info = self.actor_rollout_wg.init_model()
-        self.worker_info = info[0] if isinstance(info, list) else info
+        self.worker_infos = list(info) if isinstance(info, list) else [info]
+        self.worker_info = self.worker_infos[0]
         self.ref_policy_wg = self.actor_rollout_wg
         self.use_critic = False
         self.use_rm = False
@@ -317,7 +318,13 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                   f"LoRA {'r' + str(a.model.lora_rank) if self.worker_info.get('lora') else 'off'} | "
                   f"reference {self.worker_info.get('reference')} | {self._batch_samples()} images/step, "
                   f"{self.total_training_steps} steps | rollout {len(self.rollout_replicas)} "
-                  f"{rollout.get('name', 'diffusers')} replicas (V1 {TRAINER_NAME})", flush=True)
+                  f"{rollout.get('name', 'diffusers')} replicas, adapter in {self._adapter_workers()}/{self.world_size} "
+                  f"workers (V1 {TRAINER_NAME})", flush=True)
+
+    def _adapter_workers(self) -> int:
+        """Workers whose process found the replica's in-worker adapter in verl's rollout dict under its own rank."""
+        return sum(1 for r, i in enumerate(self.worker_infos)
+                   if i.get("rollout_adapter") and int(i.get("replica_rank", -1)) == r)
 
     def init_workers(self):
         """verl's V1 ``init()``: ``_setup`` then ``on_init_end`` (the first weight sync to the replicas)."""

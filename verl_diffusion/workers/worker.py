@@ -264,7 +264,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         self.rollout = DiffusersRollout(self.adapter, rollout_cfg)
         # The colocated replica's in-worker adapter, found the way verl finds its own (``_ROLLOUT_REGISTRY``);
         # replica r is worker r, so the driver-side replica server reaches it by this worker's rank.
-        from verl.workers.rollout.base import get_rollout_class
+        from verl.workers.rollout.base import _ROLLOUT_REGISTRY, get_rollout_class
 
         name = str(self.config.rollout.get("name", "diffusers"))
         self.rollout_adapter = get_rollout_class(name, "async")(
@@ -328,7 +328,10 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         engine.load_extra_state_fn = load_extra
         return {"lora": bool(engine._is_lora), "reference": "adapter_disabled" if engine._is_lora else (
             "frozen_copy" if self.ref is not None else "none"), "loss": self.step_loss.name,
-            "architecture": self.adapter.architecture, "grid": rollout_cfg.grid}
+            "architecture": self.adapter.architecture, "grid": rollout_cfg.grid,
+            # The plugin's entry in verl's rollout dict, as this worker process sees it (tests read it per worker).
+            "rollout_adapter": _ROLLOUT_REGISTRY.get((name, "async"), ""),
+            "replica_rank": int(self.rollout_adapter.replica_rank)}
 
     # ------------------------------------------------------------------ rollout
 
