@@ -92,7 +92,7 @@ def validate_config(cfg) -> None:
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    import verl_diffusion.trainer.flowgrpo_trainer  # noqa: F401  (registers the diffusion_sync trainer)
+    import verl_diffusion.trainer.async_trainer  # noqa: F401  (registers diffusion_sync and diffusion_async)
 
     mode = str(cfg.trainer.get("v1", {}).get("trainer_mode", "diffusion_sync"))
     ours = sorted(k for k in TRAINER_REGISTRY if k.startswith("diffusion"))
@@ -315,7 +315,7 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     from omegaconf import OmegaConf, open_dict
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    import verl_diffusion.trainer.flowgrpo_trainer  # noqa: F401  (registers the diffusion_sync trainer)
+    import verl_diffusion.trainer.async_trainer  # noqa: F401  (registers diffusion_sync and diffusion_async)
 
     with open_dict(cfg):
         cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")

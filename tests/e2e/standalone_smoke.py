@@ -7,7 +7,7 @@ imported). One actor worker in both placements, so the colocated worker (rank 0)
 After every weight sync the trainer below compares the replica's transformer with the actor's, tensor by tensor.
 Prints one ``RESULT {json}`` line per run.
 
-    python tests/e2e/standalone_smoke.py NAME:PLACEMENT:LORA_RANK ...
+    python tests/e2e/standalone_smoke.py NAME:PLACEMENT:LORA_RANK[:sync|async] ...
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import traceback
 STEPS = int(os.environ.get("VD_STANDALONE_STEPS", "3"))
 
 
-def overrides(placement: str, lora: int, tmp: str) -> list[str]:
+def overrides(placement: str, lora: int, tmp: str, mode: str = "sync") -> list[str]:
     return [f"actor_rollout_ref.rollout.placement={placement}", f"actor_rollout_ref.model.lora_rank={lora}",
             "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.init_lora_weights=gaussian",
             "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.micro_batch_size=8",
@@ -29,7 +29,7 @@ def overrides(placement: str, lora: int, tmp: str) -> list[str]:
             "actor_rollout_ref.rollout.sde.window.size=3", "actor_rollout_ref.rollout.sde.window.hi=3",
             "actor_rollout_ref.rollout.val_num_steps=4", "trainer.n_gpus_per_node=1",
             f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-            "trainer.save_freq=-1", "trainer.logger=[]", "trainer.v1.trainer_mode=diffusion_probe",
+            "trainer.save_freq=-1", "trainer.logger=[]", f"trainer.v1.trainer_mode=diffusion_probe_{mode}",
             f"trainer.run_dir={tmp}/run", f"trainer.default_local_dir={tmp}/ckpt",
             "reward.executor=sync"]
 
@@ -39,6 +39,7 @@ def register_probe_trainer():
     import ray
     from verl.trainer.ppo.v1.trainer_base import register_trainer
 
+    from verl_diffusion.trainer.async_trainer import RayFlowGRPOAsyncTrainer
     from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer
 
     def full_state(worker):   # runs in the actor worker (one rank: the DTensors are whole)
@@ -48,8 +49,7 @@ def register_probe_trainer():
         _reshard(worker.actor.engine)
         return {k: v.cpu().clone() for k, v in actor_weights(worker.actor.engine.module, lora_only=False)}
 
-    @register_trainer("diffusion_probe")
-    class ProbeTrainer(RayFlowGRPOTrainer):
+    class Probe:
         probes: list = []
 
         def _sync_and_compare(self):
@@ -64,7 +64,7 @@ def register_probe_trainer():
                            max_abs_diff=max(float((actor[k] - replica[k]).abs().max()) for k in actor),
                            replica_version=int(ray.get(self.rollout_replicas[0].workers[0].get_global_steps.remote())),
                            replica_sync=ray.get(self.rollout_replicas[0].workers[0].last_sync.remote()))
-            type(self).probes.append(row)
+            Probe.probes.append(row)
 
         def on_init_end(self):
             self._sync_and_compare()
@@ -72,7 +72,9 @@ def register_probe_trainer():
         def on_step_end(self):
             self._sync_and_compare()
 
-    return ProbeTrainer
+    register_trainer("diffusion_probe_sync")(type("ProbeSync", (Probe, RayFlowGRPOTrainer), {}))
+    register_trainer("diffusion_probe_async")(type("ProbeAsync", (Probe, RayFlowGRPOAsyncTrainer), {}))
+    return Probe
 
 
 def main(cases: list[str]) -> None:
@@ -89,11 +91,12 @@ def main(cases: list[str]) -> None:
         "VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "VERL_LOGGING_LEVEL": "WARN"}})
     try:
         for case in cases:
-            name, placement, lora = case.split(":")
-            row: dict = {"name": name, "placement": placement, "lora": int(lora)}
+            name, placement, lora, *mode = case.split(":")
+            mode = mode[0] if mode else "sync"
+            row: dict = {"name": name, "placement": placement, "lora": int(lora), "mode": mode}
             probe.probes = []
             try:
-                cfg = compose("tiny_cpu", overrides(placement, int(lora), tempfile.mkdtemp(prefix=f"vd_{name}_")))
+                cfg = compose("tiny_cpu", overrides(placement, int(lora), tempfile.mkdtemp(prefix=f"vd_{name}_"), mode))
                 summary = run_flowgrpo(cfg, finalize=False)
                 row.update(history=summary["history"], worker_info=summary["worker_info"], probes=probe.probes)
             except Exception as e:   # reported by the run's own test

@@ -9,7 +9,10 @@ noise, so once the replica's weights equal the actor's the two runs are the same
 2. the train/rollout consistency metric ``rollout/logprob_abs_diff`` is exactly 0, and the batch of step k was
    sampled with the weights of step k − 1 (on-policy: the sync follows each update);
 3. the reward of every step equals the colocated run's (so it moves exactly as there);
-4. a full sync moves the whole transformer, a LoRA sync only the adapter tensors.
+4. a full sync moves the whole transformer, a LoRA sync only the adapter tensors;
+5. async (``diffusion_async``, LoRA): batch k ≥ 2 was sampled with the weights of step k − 2 while the actor trained
+   on batch k − 1 (overlap ratio > 0), the first micro-step's log-ratio is exactly 0 at step 1 and nonzero after (old
+   log-probs are the rollout's, SPEC §0.4), and the replica still equals the actor after every sync.
 """
 
 import json
@@ -21,7 +24,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-CASES = ["co_full:colocated:0", "sa_full:standalone:0", "co_lora:colocated:4", "sa_lora:standalone:4"]
+CASES = ["co_full:colocated:0", "sa_full:standalone:0", "co_lora:colocated:4", "sa_lora:standalone:4",
+         "as_lora:standalone:4:async"]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +41,10 @@ def runs() -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
-def test_replica_weights_equal_actor_after_every_sync(runs, kind):
-    probes = runs[f"sa_{kind}"]["probes"]
-    steps = len(runs[f"sa_{kind}"]["history"])
+@pytest.mark.parametrize("name", ["sa_full", "sa_lora", "as_lora"])
+def test_replica_weights_equal_actor_after_every_sync(runs, name):
+    probes = runs[name]["probes"]
+    steps = len(runs[name]["history"])
     assert [p["step"] for p in probes] == list(range(steps + 1))     # the initial sync + one per step
     for p in probes:
         assert p["keys_equal"] and p["bitwise_equal"] and p["max_abs_diff"] == 0.0, p
@@ -69,3 +73,18 @@ def test_full_sync_moves_the_transformer_lora_sync_only_the_adapter(runs):
     print(f"bytes per sync: full {full[0]['weight_sync/bytes']:.0f}, LoRA r4 {lora[0]['sync']['weight_sync/bytes']:.0f}"
           f" ({ratio:.1f}x less)")
     assert ratio > 10
+
+
+def test_async_samples_one_step_stale_and_trains_off_policy(runs):
+    rows = runs["as_lora"]["history"]
+    assert len(rows) >= 3
+    first, later = rows[0], rows[1:]
+    assert first["rollout/weights_version"] == 0 and first["async/overlap_ratio"] == 0.0
+    assert first["actor/first_micro_log_ratio_abs_max"] == 0.0 and first["rollout/logprob_abs_diff"] == 0.0
+    for r in later:
+        assert r["rollout/weights_version"] == r["step"] - 2, r["step"]
+        assert r["async/overlap_ratio"] > 0.0, r["step"]
+        # θ_old = the sampler's weights (one update behind the actor): ratio ≠ 1, small (one LoRA step)
+        assert 0.0 < r["actor/first_micro_log_ratio_abs_max"] < 1e-2, r["step"]
+    # the first step is the sync run's first step (same seeds, same initial weights, nothing stale yet)
+    assert first["reward/mean"] == runs["sa_lora"]["history"][0]["reward/mean"]

@@ -334,10 +334,17 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         """One request per replica with its contiguous share of the rows (replica r = worker r, the rows the
         worker's update later trains); the answers concatenated in replica order. Returns (batch, metrics as
         per-replica lists, plus ``rollout/weights_version``: the version the replicas sampled with)."""
+        return self._collect_generation(self._submit_generation(batch, step))
+
+    def _submit_generation(self, batch: DataProto, step: int) -> list:
+        """The replica requests of ``_generate``, sent; returns their ObjectRefs (or answers) in replica order."""
         replicas = self.rollout_replicas
         shards = batch.chunk(len(replicas)) if len(replicas) > 1 else [batch]
-        refs = [rep.server_handle.generate({"prompts": shard, "global_steps": step})
+        return [rep.server_handle.generate({"prompts": shard, "global_steps": step})
                 for rep, shard in zip(replicas, shards)]
+
+    def _collect_generation(self, refs: list) -> tuple[DataProto, dict]:
+        """The answers of ``_submit_generation`` as ``_generate`` returns them."""
         outs = [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]
         metrics: dict = {}
         versions = []
