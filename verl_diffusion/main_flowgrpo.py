@@ -103,6 +103,13 @@ def validate_config(cfg) -> None:
     if name not in RolloutReplicaRegistry._registry:
         raise ConfigError(f"actor_rollout_ref.rollout.name={name!r} is not a registered rollout replica; choose one "
                           f"of {sorted(RolloutReplicaRegistry._registry)}")
+    from verl_diffusion.rollout.diffusers_standalone import check_placement
+    from verl_diffusion.trainer.async_trainer import RayFlowGRPOAsyncTrainer
+
+    try:
+        check_placement(arr, asynchronous=issubclass(TRAINER_REGISTRY[mode], RayFlowGRPOAsyncTrainer))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from verl_diffusion import config_checks
 
     try:

@@ -32,7 +32,7 @@ import torch
 from verl_diffusion.rollout.checkpoint_engine import BACKEND as DEFAULT_BACKEND
 
 __all__ = ["PLACEMENTS", "StandaloneDiffusersAdapter", "DiffusersStandaloneWorker", "DiffusersStandaloneReplica",
-           "StandaloneServer", "placement", "num_standalone_replicas", "resolve_standalone_config",
+           "StandaloneServer", "placement", "num_standalone_replicas", "check_placement", "resolve_standalone_config",
            "launch_standalone_replicas"]
 
 # actor_rollout_ref.rollout.placement: where the diffusers sampler runs.
@@ -56,21 +56,38 @@ def num_standalone_replicas(rollout_cfg) -> int:
     return n
 
 
-def resolve_standalone_config(arr_cfg) -> Optional[str]:
-    """For a standalone placement, the checkpoint-engine backend the sync will use: the configured one, or
-    ``diffusion_gloo`` in place of verl's default ``naive`` (which only works in process). Checks what a standalone
-    replica cannot serve and says why. Returns None for a colocated placement. Edits ``arr_cfg`` in place."""
-    from omegaconf import open_dict
-
+def check_placement(arr_cfg, *, asynchronous: bool = False) -> str:
+    """``rollout.placement`` and what it needs, checked before Ray starts; returns the placement. ``asynchronous``:
+    the trainer samples ahead (diffusion_async), which only a standalone replica can do."""
     rollout = arr_cfg.rollout
-    if placement(rollout) != "standalone":
-        return None
+    where = placement(rollout)
+    if asynchronous and where != "standalone":
+        raise ValueError(f"trainer.v1.trainer_mode=diffusion_async samples the next batch while the actor trains; "
+                         f"it needs actor_rollout_ref.rollout.placement=standalone (got {where!r})")
+    if where != "standalone":
+        return where
     num_standalone_replicas(rollout)
+    name = str(rollout.get("name", "diffusers"))
+    if name != "diffusers":
+        raise ValueError(f"actor_rollout_ref.rollout.placement=standalone is the diffusers sampler's; "
+                         f"rollout.name={name!r} is not supported there (use name=diffusers)")
     old = arr_cfg.actor.get("old_policy", None) or {}
     if str(old.get("schedule", "none")) != "none" and bool(old.get("use_for_rollout", True)):
-        raise ValueError("actor.old_policy samples the rollout with θ_old (use_for_rollout=true), which lives in the "
-                         "actor workers; a standalone replica receives θ only. Set actor_rollout_ref.actor.old_policy."
-                         "use_for_rollout=false or rollout.placement=colocated")
+        raise ValueError("actor_rollout_ref.actor.old_policy.use_for_rollout=true samples with θ_old, which lives in "
+                         "the actor workers; a standalone replica receives θ only. Set use_for_rollout=false or "
+                         "rollout.placement=colocated")
+    return where
+
+
+def resolve_standalone_config(arr_cfg) -> Optional[str]:
+    """For a standalone placement, the checkpoint-engine backend the sync will use: the configured one, or
+    ``diffusion_gloo`` in place of verl's default ``naive`` (which only works in process); None when colocated.
+    Edits ``arr_cfg`` in place (before the workers are built: they read the backend from it)."""
+    from omegaconf import open_dict
+
+    if check_placement(arr_cfg) != "standalone":
+        return None
+    rollout = arr_cfg.rollout
     with open_dict(arr_cfg):
         if "checkpoint_engine" not in rollout or rollout.checkpoint_engine is None:
             rollout.checkpoint_engine = {}
