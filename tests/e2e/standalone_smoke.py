@@ -2,12 +2,15 @@
 ``diffusion_gloo`` checkpoint engine), LoRA and full fine-tune, all in ONE Ray session.
 
 Run by tests/e2e/test_standalone_replica_on_cpu.py in a subprocess (the platform is chosen before verl is first
-imported). One actor worker in both placements, so the colocated worker (rank 0) and the standalone replica
-(rank 0) draw the same noise from the same seeds: with equal weights the two runs are the same computation.
+imported). Standalone runs get one replica per actor worker: replica r samples the rows colocated worker r would,
+with the same seed, so with equal weights a standalone run and a colocated one are the same computation.
 After every weight sync the trainer below compares the replica's transformer with the actor's, tensor by tensor.
 Prints one ``RESULT {json}`` line per run.
 
-    python tests/e2e/standalone_smoke.py NAME:PLACEMENT:LORA_RANK[:sync|async] ...
+    python tests/e2e/standalone_smoke.py NAME:PLACEMENT:LORA_RANK[:sync|async[:WORKERS]] ...
+
+WORKERS actor workers (default 1) and, standalone, as many replicas: replica r samples worker r's rows with worker
+r's seed, so a standalone run still reproduces the colocated one.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import traceback
 STEPS = int(os.environ.get("VD_STANDALONE_STEPS", "3"))
 
 
-def overrides(placement: str, lora: int, tmp: str, mode: str = "sync") -> list[str]:
+def overrides(placement: str, lora: int, tmp: str, mode: str = "sync", workers: int = 1) -> list[str]:
     return [f"actor_rollout_ref.rollout.placement={placement}", f"actor_rollout_ref.model.lora_rank={lora}",
             "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.model.init_lora_weights=gaussian",
             "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.micro_batch_size=8",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.num_steps=4",
             "actor_rollout_ref.rollout.sde.window.size=3", "actor_rollout_ref.rollout.sde.window.hi=3",
-            "actor_rollout_ref.rollout.val_num_steps=4", "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.val_num_steps=4", f"trainer.n_gpus_per_node={workers}",
+            f"actor_rollout_ref.rollout.standalone.num_replicas={workers}",
             f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
             "trainer.save_freq=-1", "trainer.logger=[]", f"trainer.v1.trainer_mode=diffusion_probe_{mode}",
             f"trainer.run_dir={tmp}/run", f"trainer.default_local_dir={tmp}/ckpt",
@@ -57,13 +61,15 @@ def register_probe_trainer():
             row = {"step": int(self.global_steps), "sync": {k: float(v) for k, v in sync.items()}}
             if getattr(self.rollout_replicas[0], "rollout_mode", None) is not None and \
                     self.rollout_replicas[0].rollout_mode.value == "standalone":
-                actor = ray.get(self.actor_rollout_wg.workers[0].__ray_call__.remote(full_state))
-                replica = ray.get(self.rollout_replicas[0].workers[0].transformer_state.remote())
-                row.update(keys_equal=sorted(actor) == sorted(replica),
-                           bitwise_equal=all(k in replica and bool((actor[k] == replica[k]).all()) for k in actor),
-                           max_abs_diff=max(float((actor[k] - replica[k]).abs().max()) for k in actor),
-                           replica_version=int(ray.get(self.rollout_replicas[0].workers[0].get_global_steps.remote())),
-                           replica_sync=ray.get(self.rollout_replicas[0].workers[0].last_sync.remote()))
+                # every actor rank gathers (collective); every replica is compared with rank 0's full tensors
+                actor = ray.get([w.__ray_call__.remote(full_state) for w in self.actor_rollout_wg.workers])[0]
+                workers = [rep.workers[0] for rep in self.rollout_replicas]
+                states = ray.get([w.transformer_state.remote() for w in workers])
+                row.update(keys_equal=all(sorted(actor) == sorted(r) for r in states),
+                           bitwise_equal=all(k in r and bool((actor[k] == r[k]).all()) for r in states for k in actor),
+                           max_abs_diff=max(float((actor[k] - r[k]).abs().max()) for r in states for k in actor),
+                           replica_version=min(ray.get([w.get_global_steps.remote() for w in workers])),
+                           replica_sync=ray.get(workers[0].last_sync.remote()), replicas=len(workers))
             Probe.probes.append(row)
 
         def on_init_end(self):
@@ -87,16 +93,18 @@ def main(cases: list[str]) -> None:
     from verl_diffusion.main_flowgrpo import run_flowgrpo
 
     probe = register_probe_trainer()
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
         "VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "VERL_LOGGING_LEVEL": "WARN"}})
     try:
         for case in cases:
-            name, placement, lora, *mode = case.split(":")
-            mode = mode[0] if mode else "sync"
-            row: dict = {"name": name, "placement": placement, "lora": int(lora), "mode": mode}
+            name, placement, lora, *rest = case.split(":")
+            mode = rest[0] if rest else "sync"
+            workers = int(rest[1]) if len(rest) > 1 else 1
+            row: dict = {"name": name, "placement": placement, "lora": int(lora), "mode": mode, "workers": workers}
             probe.probes = []
             try:
-                cfg = compose("tiny_cpu", overrides(placement, int(lora), tempfile.mkdtemp(prefix=f"vd_{name}_"), mode))
+                cfg = compose("tiny_cpu", overrides(placement, int(lora), tempfile.mkdtemp(prefix=f"vd_{name}_"), mode,
+                                                 workers))
                 summary = run_flowgrpo(cfg, finalize=False)
                 row.update(history=summary["history"], worker_info=summary["worker_info"], probes=probe.probes)
             except Exception as e:   # reported by the run's own test

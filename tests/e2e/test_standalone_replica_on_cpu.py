@@ -2,9 +2,10 @@
 checkpoint engine every step) on CPU, LoRA and full fine-tune, against the colocated replica; one Ray session
 (tests/e2e/standalone_smoke.py).
 
-With one actor worker, the colocated sampler (worker rank 0) and the standalone one (replica rank 0) draw the same
-noise, so once the replica's weights equal the actor's the two runs are the same computation. Claims:
-1. after every sync (the initial one and one per step) the replica's transformer equals the actor's bitwise, and it
+Standalone runs get one replica per actor worker (full fine-tune: 2, LoRA: 1): replica r samples the rows colocated
+worker r would, with the same seed, so once the replicas' weights equal the actor's the two runs are the same
+computation. Claims:
+1. after every sync (the initial one and one per step) every replica's transformer equals the actor's bitwise, and
    reports the step as its weights version;
 2. the train/rollout consistency metric ``rollout/logprob_abs_diff`` is exactly 0, and the batch of step k was
    sampled with the weights of step k − 1 (on-policy: the sync follows each update);
@@ -24,7 +25,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-CASES = ["co_full:colocated:0", "sa_full:standalone:0", "co_lora:colocated:4", "sa_lora:standalone:4",
+# full fine-tune: 2 actor workers and 2 replicas (rank 1 gathers shards outside the broadcast; two receivers)
+CASES = ["co_full:colocated:0:sync:2", "sa_full:standalone:0:sync:2", "co_lora:colocated:4", "sa_lora:standalone:4",
          "as_lora:standalone:4:async"]
 
 
@@ -49,6 +51,7 @@ def test_replica_weights_equal_actor_after_every_sync(runs, name):
     for p in probes:
         assert p["keys_equal"] and p["bitwise_equal"] and p["max_abs_diff"] == 0.0, p
         assert p["replica_version"] == p["step"]
+        assert p["replicas"] == runs[name]["workers"]
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])

@@ -11,28 +11,32 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 
-def _loader(n=7, batch=2):
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    return StatefulDataLoader(list(range(n)), batch_size=batch, drop_last=True, num_workers=0)
-
-
-def test_lookahead_loader_sees_the_next_batch_and_checkpoints_the_current_one():
+def test_lookahead_loader_sees_the_next_batch_across_epochs_and_checkpoints_the_current_one():
     from verl_diffusion.trainer.async_trainer import LookaheadLoader
+    from verl_diffusion.trainer.dataset import EpochShuffleSampler
 
-    ahead = LookaheadLoader(_loader())
+    def loader():
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(list(range(6)), batch_size=2, drop_last=True, num_workers=0,
+                                  sampler=EpochShuffleSampler(6, seed=3))
+
+    plain = loader()
+    expected = [b.tolist() for _ in range(2) for b in plain]     # two epochs, each in its own order
+    ahead = LookaheadLoader(loader())
     assert len(ahead) == 3
     seen, nexts, states = [], [], []
-    for batch in ahead:
-        seen.append(batch.tolist())
-        nexts.append(None if ahead.next_batch is None else ahead.next_batch.tolist())
-        states.append(ahead.state_dict())
-    assert seen == [[0, 1], [2, 3], [4, 5]]
-    assert nexts == [[2, 3], [4, 5], None]
-    # the state saved at batch k resumes at batch k+1, as a plain (sync) loader's would
-    for k, state in enumerate(states[:-1]):
-        fresh = _loader()
-        fresh.load_state_dict(state)
+    for _ in range(2):
+        for batch in ahead:
+            seen.append(batch.tolist())
+            nexts.append(None if ahead.next_batch is None else ahead.next_batch.tolist())
+            states.append(ahead.state_dict())
+    assert seen == expected
+    assert nexts[:-1] == expected[1:]                   # the epoch's end looks into the next epoch
+    # the state saved at batch k (within an epoch) resumes at batch k+1, as a plain (sync) loader's would
+    for k in (0, 1, 3, 4):
+        fresh = loader()
+        fresh.load_state_dict(states[k])
         assert next(iter(fresh)).tolist() == seen[k + 1]
 
 
@@ -92,6 +96,10 @@ def test_placement_checks_name_field_value_and_choices():
     arr = _arr(placement="standalone")
     arr.actor.old_policy.schedule = "nft"
     with pytest.raises(ValueError, match="old_policy.use_for_rollout=true"):
+        check_placement(arr)
+    arr = _arr(placement="standalone")
+    arr.actor.ema = {"enable": True}
+    with pytest.raises(ValueError, match="ema.enable=true validates with the EMA weights"):
         check_placement(arr)
     # naive only works in process: a standalone placement gets the gloo backend unless one is set
     arr = _arr(placement="standalone", checkpoint_engine={"backend": "naive"})

@@ -76,6 +76,10 @@ def check_placement(arr_cfg, *, asynchronous: bool = False) -> str:
         raise ValueError("actor_rollout_ref.actor.old_policy.use_for_rollout=true samples with θ_old, which lives in "
                          "the actor workers; a standalone replica receives θ only. Set use_for_rollout=false or "
                          "rollout.placement=colocated")
+    if bool((arr_cfg.actor.get("ema", None) or {}).get("enable", False)):
+        raise ValueError("actor_rollout_ref.actor.ema.enable=true validates with the EMA weights, which live in the "
+                         "actor workers; a standalone replica receives θ only. Set ema.enable=false or "
+                         "rollout.placement=colocated")
     return where
 
 

@@ -45,33 +45,42 @@ def overlap_ratio(wait_s: float, rollout_s: float) -> float:
 
 
 class LookaheadLoader:
-    """Iterates a stateful dataloader one batch ahead: while batch k is yielded, ``next_batch`` is batch k+1 (None at
-    an epoch's end) and ``state_dict()`` is the loader's state right after batch k (what a sync run checkpoints)."""
+    """Iterates a stateful dataloader one batch ahead: while batch k is yielded, ``next_batch`` is batch k+1, also
+    across an epoch's end (the next epoch's iterator is started early and its first batch carried over; the
+    sampler's order depends only on (seed, epoch)), and ``state_dict()`` is the loader's state right after batch k
+    (what a sync run checkpoints)."""
 
     def __init__(self, loader):
         self.loader = loader
         self.next_batch: Optional[dict] = None
         self._state = None
+        self._carry = None      # (iterator, its first batch) of the next epoch, started during the previous one
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self):
+    def _first(self):
         it = iter(self.loader)
         try:
-            current = next(it)
+            return it, next(it)
         except StopIteration:
+            return None
+
+    def __iter__(self):
+        started, self._carry = (self._carry or self._first()), None
+        if started is None:
             return
+        it, current = started
         while True:
             self._state = self.loader.state_dict()
             try:
-                upcoming = next(it)
+                upcoming, last = next(it), False
             except StopIteration:
-                upcoming = None
+                self._carry = self._first()
+                upcoming, last = (self._carry[1] if self._carry else None), True
             self.next_batch = upcoming
             yield current
-            if upcoming is None:
-                self.next_batch = None
+            if last:
                 return
             current = upcoming
 
@@ -79,7 +88,7 @@ class LookaheadLoader:
         return self._state if self._state is not None else self.loader.state_dict()
 
     def load_state_dict(self, state) -> None:
-        self._state = None
+        self._state, self._carry = None, None
         self.loader.load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:
