@@ -347,7 +347,7 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     try:
         trainer = get_trainer_cls(str(cfg.trainer.v1.trainer_mode))(config=cfg, reward_fn=reward_fn, run_dir=run_dir)
         trainer.resume_point = plan.resume
-        trainer.init_workers()
+        trainer.init()          # verl V1: _setup, then on_init_end (the first weight sync)
         history = trainer.fit()
         summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history,
                    "worker_info": dict(getattr(trainer, "worker_info", {}) or {})}

@@ -326,10 +326,6 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         return sum(1 for r, i in enumerate(self.worker_infos)
                    if i.get("rollout_adapter") and int(i.get("replica_rank", -1)) == r)
 
-    def init_workers(self):
-        """verl's V1 ``init()``: ``_setup`` then ``on_init_end`` (the first weight sync to the replicas)."""
-        self.init()
-
     def _generate(self, batch: DataProto, step: int) -> tuple[DataProto, dict]:
         """One request per replica with its contiguous share of the rows (replica r = worker r, the rows the
         worker's update later trains); the answers concatenated in replica order. Returns (batch, metrics as
