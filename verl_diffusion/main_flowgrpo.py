@@ -89,6 +89,27 @@ def validate_config(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.model.architecture={arr.model.get('architecture')!r} wraps a "
                           f"{adapter_cls.architecture}, but model.path holds a {found}; drop the architecture key "
                           "(it is read from model_index.json) or point model.path at a matching model")
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    import verl_diffusion.trainer.async_trainer  # noqa: F401  (registers diffusion_sync and diffusion_async)
+
+    mode = str(cfg.trainer.get("v1", {}).get("trainer_mode", "diffusion_sync"))
+    ours = sorted(k for k in TRAINER_REGISTRY if k.startswith("diffusion"))
+    if mode not in ours:
+        raise ConfigError(f"trainer.v1.trainer_mode={mode!r} is not a diffusion trainer; choose one of {ours} "
+                          "(verl's own sync/async trainers train language models)")
+    name = str(arr.rollout.get("name", "diffusers"))
+    if name not in RolloutReplicaRegistry._registry:
+        raise ConfigError(f"actor_rollout_ref.rollout.name={name!r} is not a registered rollout replica; choose one "
+                          f"of {sorted(RolloutReplicaRegistry._registry)}")
+    from verl_diffusion.rollout.diffusers_standalone import check_placement
+    from verl_diffusion.trainer.async_trainer import RayFlowGRPOAsyncTrainer
+
+    try:
+        check_placement(arr, asynchronous=issubclass(TRAINER_REGISTRY[mode], RayFlowGRPOAsyncTrainer))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from verl_diffusion import config_checks
 
     try:
@@ -299,11 +320,9 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
 
     import ray
     from omegaconf import OmegaConf, open_dict
+    from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from verl.trainer.ppo.utils import Role
-
-    from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, make_resource_pool_manager
-    from verl_diffusion.workers.worker import DiffusionActorRolloutRefWorker
+    import verl_diffusion.trainer.async_trainer  # noqa: F401  (registers diffusion_sync and diffusion_async)
 
     with open_dict(cfg):
         cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")
@@ -318,17 +337,17 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
                                   "log_to_driver": bool(cfg.trainer.get("ray_log_to_driver", True))}
         if platform == "cpu":
-            kwargs["num_cpus"] = max(workers, os.cpu_count() or 1)
+            from verl_diffusion.rollout.diffusers_standalone import num_standalone_replicas, placement
+
+            rollout = cfg.actor_rollout_ref.rollout
+            replicas = num_standalone_replicas(rollout) if placement(rollout) == "standalone" else 0
+            kwargs["num_cpus"] = max(workers + replicas, os.cpu_count() or 1)
         ray.init(**kwargs)
-    pools = make_resource_pool_manager(cfg)
     trainer = None
     try:
-        trainer = RayFlowGRPOTrainer(
-            config=cfg, role_worker_mapping={Role.ActorRollout: ray.remote(DiffusionActorRolloutRefWorker)},
-            resource_pool_manager=pools, reward_fn=reward_fn,
-            device_name=cfg.trainer.device, run_dir=run_dir)
+        trainer = get_trainer_cls(str(cfg.trainer.v1.trainer_mode))(config=cfg, reward_fn=reward_fn, run_dir=run_dir)
         trainer.resume_point = plan.resume
-        trainer.init_workers()
+        trainer.init()          # verl V1: _setup, then on_init_end (the first weight sync)
         history = trainer.fit()
         summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history,
                    "worker_info": dict(getattr(trainer, "worker_info", {}) or {})}
@@ -339,7 +358,7 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         if own_ray:
             ray.shutdown()
         else:
-            release_workers(trainer, pools)
+            release_workers(trainer, getattr(trainer, "resource_pool_manager", None))
 
 
 def release_workers(trainer, pools) -> None:
@@ -351,9 +370,12 @@ def release_workers(trainer, pools) -> None:
     group = getattr(trainer, "actor_rollout_wg", None) if trainer is not None else None
     for worker in list(getattr(group, "_workers", None) or []):
         ray.kill(worker)
-    for pool in pools.resource_pool_dict.values():
+    for pool in (pools.resource_pool_dict.values() if pools is not None else []):
         for pg in list(pool.pgs or []):
             remove_placement_group(pg)
+    for replica in list(getattr(trainer, "rollout_replicas", None) or []):
+        if hasattr(replica, "shutdown"):      # standalone replicas: their own processes and placement groups
+            replica.shutdown()
 
 
 def _hydra_main():

@@ -37,7 +37,9 @@ def register_all() -> None:
     _register_policy_losses()
     _register_engine()
     _register_reward_managers()
+    _register_diffusers_rollout()
     _register_vllm_omni_rollout()
+    _register_checkpoint_engine()
     _DONE = True
 
 
@@ -50,6 +52,23 @@ def _register_platform() -> None:
 
     register_cpu_platform()
     _REGISTERED.append("platform:cpu")
+
+
+def _register_diffusers_rollout() -> None:
+    """The colocated ``diffusers`` replica (verl's ``RolloutReplicaRegistry``, loaded lazily) and its in-worker adapter
+    (verl's ``_ROLLOUT_REGISTRY`` dict, which has no register function; tests check it in every Ray worker)."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    def load_diffusers():
+        from verl_diffusion.rollout.diffusers_replica import load_diffusers_replica
+
+        return load_diffusers_replica()
+
+    RolloutReplicaRegistry.register("diffusers", load_diffusers)
+    rollout_base._ROLLOUT_REGISTRY[("diffusers", "async")] = \
+        "verl_diffusion.rollout.diffusers_replica.DiffusersRolloutAdapter"
+    _REGISTERED.extend(["rollout_replica:diffusers", "rollout_adapter:diffusers"])
 
 
 def _register_vllm_omni_rollout() -> None:
@@ -68,6 +87,17 @@ def _register_vllm_omni_rollout() -> None:
     rollout_base._ROLLOUT_REGISTRY[("vllm_omni", "async")] = \
         "verl_diffusion.rollout.vllm_omni.replica.VllmOmniServerAdapter"
     _REGISTERED.extend(["rollout_replica:vllm_omni", "rollout_adapter:vllm_omni"])
+
+
+def _register_checkpoint_engine() -> None:
+    """``diffusion_gloo`` in verl's ``CheckpointEngineRegistry``: weight sync to standalone / async diffusers
+    replicas, on CPU and GPU (rollout/checkpoint_engine.py)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    from verl_diffusion.rollout.checkpoint_engine import BACKEND, engine_class
+
+    CheckpointEngineRegistry.register(BACKEND)(engine_class())
+    _REGISTERED.append(f"checkpoint_engine:{BACKEND}")
 
 
 def _register_engine() -> None:

@@ -93,3 +93,27 @@ def test_torchdata_set_vital_notice_is_dropped_and_other_user_warnings_are_kept(
     messages = [str(w.message) for w in seen]
     assert not [m for m in messages if "set_vital" in m], messages
     assert "an unrelated user warning" in messages
+
+
+def test_v1_trainer_starts_without_the_legacy_trainer_deprecation():
+    """verl 0.9.1 warns "Legacy trainer is deprecated" whenever its RayPPOTrainer is built; ours is the V1 sync
+    trainer, built here from the default config (no Ray) with every warning recorded. The e2e runs check the
+    whole output of a real run for the same line."""
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+
+    import verl_diffusion.config as package_config
+    from verl_diffusion.main_flowgrpo import add_search_path
+    from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer
+
+    argv = ["main_flowgrpo"]
+    add_search_path(argv)
+    with initialize_config_dir(config_dir=os.path.dirname(package_config.__file__), version_base="1.3"):
+        cfg = compose(config_name="tiny_cpu", overrides=[a for a in argv if a.startswith("hydra.searchpath")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RayFlowGRPOTrainer(config=cfg, reward_fn=None, run_dir=os.getcwd(), progress=False)
+    assert trainer.trainer_mode == "diffusion_sync" and cfg.trainer.use_v1
+    assert not [w for w in caught if "Legacy trainer" in str(w.message) or "use_v1" in str(w.message)], \
+        [str(w.message) for w in caught]

@@ -1,5 +1,5 @@
 """RayFlowGRPOTrainer's token-free helpers, without Ray: advantages through verl's registry, the on-policy
-old-log-prob bypass, metric reduction, and the legacy trainer it subclasses."""
+old-log-prob bypass, metric reduction, and its place in verl's V1 trainer registry."""
 
 import numpy as np
 import pytest
@@ -30,10 +30,14 @@ def _batch():
         non_tensors={"uid": np.array(["a"] * 4 + ["b"] * 4, dtype=object)})
 
 
-def test_legacy_trainer_is_still_there():
+def test_trainer_is_verls_v1_sync_trainer_under_its_own_name():
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
 
-    assert issubclass(RayFlowGRPOTrainer, RayPPOTrainer)
+    assert issubclass(RayFlowGRPOTrainer, PPOTrainerSync)
+    assert not issubclass(RayFlowGRPOTrainer, RayPPOTrainer)           # the deprecated legacy trainer is gone
+    assert get_trainer_cls("diffusion_sync") is RayFlowGRPOTrainer
+    assert get_trainer_cls("sync") is PPOTrainerSync                    # verl's own name is left alone
 
 
 def test_advantages_through_verls_registry():

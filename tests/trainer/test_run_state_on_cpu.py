@@ -178,12 +178,24 @@ def test_first_signal_is_deferred_to_the_loop():
 
 # -- validation metadata -----------------------------------------------------------------------------------
 
-class _ValWG:
-    world_size = 2
+class _ValServer:
+    """A replica's server answering a validation request in process (the real one returns a Ray ObjectRef)."""
 
-    def generate_validation(self, data):
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, request):
+        data = request["prompts"]
+        self.requests.append(data)
+        assert data.meta_info["validate"] is True
         n = len(data)
-        return DataProto.from_dict(tensors={"images": torch.zeros(n, 3, 4, 4, dtype=torch.uint8)})
+        return DataProto.from_dict(tensors={"images": torch.zeros(n, 3, 4, 4, dtype=torch.uint8)},
+                                   meta_info={"extra_fields": {"global_steps": 0}})
+
+
+class _ValReplica:
+    def __init__(self):
+        self.server_handle = _ValServer()
 
 
 class _GroundTruthReward:
@@ -214,13 +226,16 @@ def test_validation_scores_with_each_prompts_ground_truth(tmp_path):
     tr = object.__new__(RayFlowGRPOTrainer)
     tr.config = OmegaConf.create({"trainer": {"val_num_images": 5}})
     tr.val_dataloader = [collate_prompts(rows)]
-    tr.actor_rollout_wg, tr.world_size = _ValWG(), 2
+    tr.rollout_replicas, tr.world_size = [_ValReplica(), _ValReplica()], 2
     tr.reward_fn, tr.run_dir, tr.global_steps = _GroundTruthReward(), str(tmp_path), 0
     tr.val_images, tr.val_history, tr.progress = {}, [], False
     m = tr._validate()
     meta = tr.reward_fn.calls[0]
     assert [x["reward_model"]["ground_truth"] for x in meta] == ["p0", "p1", "p2", "p0", "p1"]
     assert m["val/reward_mean"] == 1.0 and m["val/geneval/mean"] == 1.0
+    # 5 images padded to 6 rows, 3 per replica, in order (replica r answers the rows of worker r)
+    assert [list(r.server_handle.requests[0].non_tensor_batch["prompt"]) for r in tr.rollout_replicas] == \
+        [["p0", "p1", "p2"], ["p0", "p1", "p0"]]
     assert m["val/geneval/strict_accuracy/a"] == 1.0 and m["val/geneval/strict_accuracy/b"] == 1.0
     saved = torch.load(tmp_path / "validation" / "baseline.pt", weights_only=True)
     assert saved["step"] == 0 and saved["images"].shape == (5, 3, 4, 4)

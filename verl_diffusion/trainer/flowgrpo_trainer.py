@@ -1,16 +1,31 @@
-"""RayFlowGRPOTrainer: verl's ``RayPPOTrainer`` with the token-shaped parts replaced for images (DESIGN §3, §4).
+"""RayFlowGRPOTrainer: verl's V1 **sync** trainer (``PPOTrainerSync``) with the token-shaped parts replaced for
+images (DESIGN §3, §4). Registered in verl's V1 trainer registry as ``diffusion_sync`` (``trainer.v1.trainer_mode``).
 
-Reused from verl: ``__init__`` (config, role mapping, resource-pool manager), the checkpoint layout
+Reused from verl's V1 trainer: the trainer registry, ``init()`` (setup, then ``on_init_end``: the first weight
+sync), the sync hooks (``on_sample_end`` puts the replicas to sleep, ``on_step_end`` syncs the weights through
+verl's ``CheckpointEngineManager``, naive backend), the rollout replicas from verl's ``RolloutReplicaRegistry``
+(``actor_rollout_ref.rollout.name``, ``diffusers`` by default: rollout/diffusers_replica.py), the checkpoint layout
 (``global_step_<k>/actor`` written by the workers, ``data.pt``, the latest-iteration file; verl's loader for
-``resume_mode=resume_path``), tracking. Saving adds a manifest and an atomic tracker, and ``auto`` resumes from
-the newest complete checkpoint; the run directory, the per-step metrics file, reward-failure accounting and
-the graceful stop live in small trainer-independent modules (``run_dir``, ``checkpoints``, ``reward_health``,
-``signals``) that this class calls.
-Replaced: ``init_workers`` (our worker only; no LLM server stack), the dataloader (prompts, no tokenizer),
-``fit`` and the helpers: response mask = ``train_mask``; advantages through verl's
-``get_adv_estimator_fn`` on ``sample_level_rewards``; old log-probs = the rollout's on-policy (bypass),
-recomputed otherwise; the actor update with PPO epochs × mini-batches; ODE validation on fixed prompts
-and seeds.
+``resume_mode=resume_path``). Saving adds a manifest and an atomic tracker, and ``auto`` resumes from the newest
+complete checkpoint; the run directory, the per-step metrics file, reward-failure accounting and the graceful stop
+live in small trainer-independent modules (``run_dir``, ``checkpoints``, ``reward_health``, ``signals``).
+
+Replaced, and why:
+- ``_setup``: verl's builds an LLM tokenizer, ``ActorRolloutRefWorker`` roles, the reward-loop workers, the agent
+  loop and an LLM router actor. Ours builds our worker group, one ``diffusers`` replica per worker and the
+  checkpoint-engine manager. Each Ray actor verl would add imports verl (~6 s and 500 MB each on a 2-core host):
+  the start-up cost measured in docs/benchmarks.md.
+- TransferQueue and the replay buffer are not used in sync mode: the step trains exactly the batch it just
+  sampled, and the bulk of a step (trajectories [B, T+1, C, h, w], text embeddings) stays in the worker that
+  sampled it (``rollout.keep_trajectories_in_worker``); the driver handles images, masks and log-probs only.
+- Rewards: the driver scores images with our reward components (``reward.components``) and keeps the per-component
+  failure accounting, ``reward.timeout`` and the failure budget (reward_health.py): verl's reward loop scores
+  token responses in its own workers and returns one score per sample, with no per-component failures.
+- The dataloader (prompts, no tokenizer), the generation call (replica requests), old log-probs (the rollout's
+  on-policy, recomputed otherwise), advantages through verl's ``get_adv_estimator_fn`` on
+  ``sample_level_rewards``, the actor update (PPO epochs × mini-batches), metrics and ODE validation, and ``fit``:
+  the image loop with its progress line, metrics file, validation artifacts and graceful stop; it calls verl's
+  sync hooks at the points verl's ``fit`` does.
 """
 
 from __future__ import annotations
@@ -28,8 +43,9 @@ from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 from verl.single_controller.ray.base import ResourcePoolManager
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_diffusion.trainer.checkpoints import (
     MANIFEST_NAME, ResumePoint, find_resume_checkpoint, list_step_dirs, step_dir, write_manifest, write_tracker)
@@ -92,15 +108,20 @@ def make_resource_pool_manager(config) -> CpuAwareResourcePoolManager:
                                        max_colocate_count=1)
 
 
-class RayFlowGRPOTrainer(RayPPOTrainer):
-    """Flow-GRPO family trainer over our diffusion worker (one colocated actor+rollout worker group)."""
+TRAINER_NAME = "diffusion_sync"
 
-    def __init__(self, config, role_worker_mapping, resource_pool_manager, reward_fn,
-                 ray_worker_group_cls=RayWorkerGroup, device_name: Optional[str] = None,
-                 run_dir: Optional[str] = None, progress: bool = True):
+
+@register_trainer(TRAINER_NAME)
+class RayFlowGRPOTrainer(PPOTrainerSync):
+    """Flow-GRPO family trainer on verl's V1 sync trainer: one actor worker group, one colocated ``diffusers``
+    rollout replica per worker (module docstring: what is verl's and what is replaced)."""
+
+    def __init__(self, config, reward_fn, run_dir: Optional[str] = None, progress: bool = True,
+                 worker_cls=None):
         self.reward_fn = reward_fn
         self.run_dir = run_dir or os.getcwd()
         self.progress = progress
+        self.worker_cls = worker_cls
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         self.val_images: dict[int, torch.Tensor] = {}
@@ -109,21 +130,34 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         self.reward_health = RewardHealth(RewardFailureBudget.from_dict(
             config.trainer.get("reward_failure_budget", None)))
         self._saved_step: Optional[int] = None
-        super().__init__(config=config, tokenizer=None, role_worker_mapping=role_worker_mapping,
-                         resource_pool_manager=resource_pool_manager, ray_worker_group_cls=ray_worker_group_cls,
-                         device_name=device_name)
+        self.global_steps = 0
+        self.rollout_replicas: list = []
+        self.curr_step_profile = False
+        self.timing_raw: dict = {}
+        PPOTrainer.__init__(self, config)
+
+    def _build_replay_buffer(self):
+        """None: the sync step trains the batch it just sampled, whose trajectories stay in the workers (module
+        docstring); verl's replay buffer indexes TransferQueue rows."""
+        return None
 
     # ------------------------------------------------------------------ data
 
-    def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler):
+    def _init_tokenizer(self):
+        """Prompts are text for the model adapter's own encoders: no LLM tokenizer or processor."""
+        self.tokenizer = None
+        self.processor = None
+
+    def _init_dataloader(self):
+        """Prompt rows (no tokenizer), an epoch-seeded shuffle (resumes reproduce the order), ``total_training_steps``."""
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         data = self.config.data
         key = data.get("prompt_key", "prompt")
-        self.train_dataset = train_dataset or PromptDataset(list(data.train_files), prompt_key=key,
-                                                            max_samples=data.get("train_max_samples", -1))
-        self.val_dataset = val_dataset or PromptDataset(list(data.val_files), prompt_key=key,
-                                                        max_samples=data.get("val_max_samples", -1))
+        self.train_dataset = PromptDataset(list(data.train_files), prompt_key=key,
+                                           max_samples=data.get("train_max_samples", -1))
+        self.val_dataset = PromptDataset(list(data.val_files), prompt_key=key,
+                                         max_samples=data.get("val_max_samples", -1))
         self.train_sampler = EpochShuffleSampler(len(self.train_dataset), seed=int(data.get("seed", 1)),
                                                  shuffle=bool(data.get("shuffle", True)))
         self.train_dataloader = StatefulDataLoader(
@@ -134,6 +168,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         if len(self.train_dataloader) < 1:
             raise ValueError(f"data.train_batch_size={data.train_batch_size} is larger than the "
                              f"{len(self.train_dataset)} training prompts")
+        self.steps_per_epoch = len(self.train_dataloader)
         total = len(self.train_dataloader) * int(self.config.trainer.total_epochs)
         if self.config.trainer.total_training_steps is not None:
             total = int(self.config.trainer.total_training_steps)
@@ -170,7 +205,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
                 if self.progress:
                     print(f"resumed from {point.path} (step {self.global_steps})", flush=True)
         elif mode != "disable":
-            out = super()._load_checkpoint()
+            out = PPOTrainer._load_checkpoint(self)
         per_epoch = len(self.train_dataloader)
         if self.global_steps and per_epoch and self.global_steps % per_epoch == 0:
             self.train_sampler.set_epoch(self.global_steps // per_epoch)
@@ -213,25 +248,110 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
 
     # ------------------------------------------------------------------ workers
 
-    def init_workers(self):
-        """One colocated actor+rollout worker group on CPU or GPU pools; ``init_model`` on every rank."""
+    def _init_resource_pool_mgr(self):
+        """Our worker for the actor+rollout role, on a pool whose check counts the platform's Ray resource (CPU
+        included; verl's counts GPUs/NPUs only)."""
+        from verl_diffusion.workers.worker import DiffusionActorRolloutRefWorker
+
+        self.role_worker_mapping = {Role.ActorRollout: ray.remote(self.worker_cls or DiffusionActorRolloutRefWorker)}
+        self.resource_pool_manager = make_resource_pool_manager(self.config)
+
+    def _setup(self):
+        """Dataloader, the worker group (``init_model`` on every rank), one colocated replica per worker from verl's
+        ``RolloutReplicaRegistry``, verl's ``CheckpointEngineManager`` (naive backend, as V1 sync forces), the
+        replicas put to sleep, then the checkpoint load. verl's own ``_setup`` is not called (module docstring)."""
+        import asyncio
+
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+        from verl_diffusion.rollout.diffusers_standalone import resolve_standalone_config
+
+        # rollout.placement=standalone: the sampler in replicas of its own, weights through a real backend.
+        standalone_backend = resolve_standalone_config(self.config.actor_rollout_ref)
+        self._init_tokenizer()
+        self._init_dataloader()
+        self._init_dump_executor()
+        self._init_resource_pool_mgr()
         self.resource_pool_manager.create_resource_pool()
         pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
         cls = RayClassWithInitArgs(cls=self.role_worker_mapping[Role.ActorRollout],
                                    config=self.config.actor_rollout_ref, role="actor_rollout")
-        self.actor_rollout_wg = self.ray_worker_group_cls(resource_pool=pool, ray_cls_with_init=cls,
-                                                          device_name=self.device_name)
+        self.device_name = str(self.config.trainer.device)
+        self.actor_rollout_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device_name)
         self.world_size = self.actor_rollout_wg.world_size
         info = self.actor_rollout_wg.init_model()
-        self.worker_info = info[0] if isinstance(info, list) else info
+        self.worker_infos = list(info) if isinstance(info, list) else [info]
+        self.worker_info = self.worker_infos[0]
+        self.ref_policy_wg = self.actor_rollout_wg
+        self.use_critic = False
+        self.use_rm = False
+
+        rollout = self.config.actor_rollout_ref.rollout
+        engine_cfg = omega_conf_to_dataclass(rollout.checkpoint_engine)
+        if standalone_backend is not None:
+            from verl_diffusion.rollout.diffusers_standalone import launch_standalone_replicas
+
+            self.rollout_replicas = launch_standalone_replicas(self.config.actor_rollout_ref)
+            engine_cfg.backend = standalone_backend
+        else:
+            replica_cls = RolloutReplicaRegistry.get(str(rollout.get("name", "diffusers")))
+            self.rollout_replicas = [replica_cls(replica_rank=r, config=rollout,
+                                                 model_config=self.config.actor_rollout_ref.model,
+                                                 gpus_per_node=int(self.config.trainer.n_gpus_per_node))
+                                     for r in range(self.world_size)]
+
+            async def launch():
+                await asyncio.gather(*[r.init_hybrid(self.actor_rollout_wg) for r in self.rollout_replicas])
+
+            asyncio.run(launch())
+            engine_cfg.backend = "naive"
+        self.checkpoint_manager = CheckpointEngineManager(config=engine_cfg, actor_wg=self.actor_rollout_wg,
+                                                          replicas=self.rollout_replicas)
+        self.checkpoint_manager.sleep_replicas()
+        self.global_steps = 0
+        self._load_checkpoint()
         if self.progress:
             a = self.config.actor_rollout_ref
             print(f"workers: {self.world_size} actor+rollout on {self.device_name} ({a.actor.strategy}) | loss {self.worker_info.get('loss')} | "
                   f"LoRA {'r' + str(a.model.lora_rank) if self.worker_info.get('lora') else 'off'} | "
                   f"reference {self.worker_info.get('reference')} | {self._batch_samples()} images/step, "
-                  f"{self.total_training_steps} steps", flush=True)
-        self.use_critic = False
-        self.use_rm = False
+                  f"{self.total_training_steps} steps | rollout {len(self.rollout_replicas)} "
+                  f"{rollout.get('name', 'diffusers')} replicas, adapter in {self._adapter_workers()}/{self.world_size} "
+                  f"workers (V1 {TRAINER_NAME})", flush=True)
+
+    def _adapter_workers(self) -> int:
+        """Workers whose process found the replica's in-worker adapter in verl's rollout dict under its own rank."""
+        return sum(1 for r, i in enumerate(self.worker_infos)
+                   if i.get("rollout_adapter") and int(i.get("replica_rank", -1)) == r)
+
+    def _generate(self, batch: DataProto, step: int) -> tuple[DataProto, dict]:
+        """One request per replica with its contiguous share of the rows (replica r = worker r, the rows the
+        worker's update later trains); the answers concatenated in replica order. Returns (batch, metrics as
+        per-replica lists, plus ``rollout/weights_version``: the version the replicas sampled with)."""
+        return self._collect_generation(self._submit_generation(batch, step))
+
+    def _submit_generation(self, batch: DataProto, step: int) -> list:
+        """The replica requests of ``_generate``, sent; returns their ObjectRefs (or answers) in replica order."""
+        replicas = self.rollout_replicas
+        shards = batch.chunk(len(replicas)) if len(replicas) > 1 else [batch]
+        return [rep.server_handle.generate({"prompts": shard, "global_steps": step})
+                for rep, shard in zip(replicas, shards)]
+
+    def _collect_generation(self, refs: list) -> tuple[DataProto, dict]:
+        """The answers of ``_submit_generation`` as ``_generate`` returns them."""
+        outs = [ray.get(r) if isinstance(r, ray.ObjectRef) else r for r in refs]
+        metrics: dict = {}
+        versions = []
+        for o in outs:
+            for k, v in (o.meta_info.pop("metrics", None) or {}).items():
+                metrics.setdefault(k, []).append(v)
+            versions.append(int((o.meta_info.pop("extra_fields", None) or {}).get("global_steps", -1)))
+        out = DataProto.concat(outs) if len(outs) > 1 else outs[0]
+        if versions:
+            metrics["rollout/weights_version"] = [min(versions)]
+        return out, metrics
 
     # ------------------------------------------------------------------ step helpers
 
@@ -394,7 +514,8 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         pad = (-len(prompts)) % self.world_size
         rows = {"prompt": np.array(prompts + prompts[:pad], dtype=object),
                 "seed": np.array(seeds + seeds[:pad], dtype=object)}
-        out = self.actor_rollout_wg.generate_validation(DataProto.from_dict(non_tensors=rows))
+        out, _ = self._generate(DataProto.from_dict(non_tensors=rows, meta_info={"validate": True}),
+                                int(self.global_steps))
         images = out.batch["images"][: len(prompts)]
         step = int(self.global_steps)
         self.val_images[step] = images
@@ -455,9 +576,7 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         logger = Tracking(project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
                           default_backend=list(cfg.trainer.logger), config=OmegaConf.to_container(cfg, resolve=True))
         self.tracker = logger
-        self.global_steps = 0
-        self._load_checkpoint()
-        start_step = self.global_steps
+        start_step = self.global_steps   # set by init()'s checkpoint load
         if cfg.trainer.get("val_before_train", True) and start_step == 0 and cfg.trainer.test_freq > 0:
             val0 = self._validate()
             logger.log(val0, step=0)
@@ -468,13 +587,19 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
             while not done:
                 for batch_dict in self.train_dataloader:
                     step = int(self.global_steps)
+                    self.timing_raw = {}
                     try:
+                        self.on_step_begin()
                         metrics = self.train_step(batch_dict, step)
                     except Exception as e:
                         if stop.requested:      # the signal reached the workers too: the step is lost
                             raise StopRequested(stop.signum, step - 1) from e
                         raise
                     last = step >= self.total_training_steps
+                    # verl's sync hook: the new weights to the replicas (naive backend) before validation samples.
+                    t_sync = time.perf_counter()
+                    self.on_step_end()
+                    metrics["timing_s/update_weights"] = time.perf_counter() - t_sync
                     validated = cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last)
                     if validated:
                         metrics.update(self._validate())
@@ -509,13 +634,15 @@ class RayFlowGRPOTrainer(RayPPOTrainer):
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         gen = self._gen_batch(batch_dict, step)
-        out = self.actor_rollout_wg.generate_sequences(gen)
+        self.on_sample_begin()
+        out, gen_metrics = self._generate(gen, step)
+        self.on_sample_end()      # verl's sync hook: replicas to sleep during the update
         t_gen = time.perf_counter()
         images = out.batch.pop("images")
         branched = self._branched() is not None
         non_tensor = self._expand_branched(gen, out.batch, step) if branched else gen.non_tensor_batch
         batch = DataProto(batch=out.batch, non_tensor_batch=non_tensor, meta_info=dict(gen.meta_info))
-        metrics.update({k: float(np.mean(v)) for k, v in out.meta_info.get("metrics", {}).items()})
+        metrics.update({k: float(np.mean(v)) for k, v in gen_metrics.items()})
         metrics.update(self._compute_reward(batch, images, step))
         t_rew = time.perf_counter()
         from verl_diffusion.algos.advantages import group_ids_from_uids

@@ -208,6 +208,32 @@ def default_velocity_fn(module: torch.nn.Module) -> Callable:
     return velocity
 
 
+def inject_lora(module: torch.nn.Module, model_config) -> torch.nn.Module:
+    """peft LoRA layers injected into ``module`` in place (``DiffusionModelConfig``: rank, alpha, targets, init,
+    adapter path); only the adapter trains. The engine and a standalone rollout replica build the same layers."""
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    targets = model_config.target_modules
+    targets = list(targets) if not isinstance(targets, str) else targets
+    cfg = LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha,
+                     target_modules=targets, init_lora_weights=model_config.init_lora_weights,
+                     bias="none")
+    module.requires_grad_(False)
+    inject_adapter_in_model(cfg, module, adapter_name="default")
+    if model_config.lora_adapter_path:
+        from safetensors.torch import load_file
+
+        path = model_config.lora_adapter_path
+        f = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
+        set_peft_model_state_dict(module, load_file(f), adapter_name="default")
+    base_dtype = next((p.dtype for n, p in module.named_parameters() if "lora_" not in n), None)
+    for name, p in module.named_parameters():
+        p.requires_grad_("lora_" in name)
+        if "lora_" in name and base_dtype is not None and p.dtype != base_dtype:
+            p.data = p.data.to(base_dtype)
+    return module
+
+
 class DiffusersFSDPEngine(FSDPEngine):
     """verl's FSDP engine around a diffusers transformer, trained with a per-timestep loss."""
 
@@ -222,6 +248,9 @@ class DiffusersFSDPEngine(FSDPEngine):
         self.ref_velocity_fn: Optional[Callable] = None
         # Optimizer steps taken so far (n of the old-policy schedules, SPEC §8.2; saved by the worker).
         self.optimizer_steps = 0
+        # Set by the worker before an update: the next training call records rollout/logprob_abs_diff (its first
+        # mini-batch runs before any optimizer step, i.e. with the weights the rollout sampled with).
+        self.consistency_probe = False
 
     # ------------------------------------------------------------------ build
 
@@ -250,27 +279,7 @@ class DiffusersFSDPEngine(FSDPEngine):
         """peft LoRA injected in place (no ``PeftModel`` wrapper, no ``TaskType.CAUSAL_LM``): the module keeps
         its diffusers class, so FSDP2 still finds ``_no_split_modules`` and the model adapter's
         ``disable_adapter`` (``models.base.disable_lora_layers``) works on the wrapped module."""
-        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-
-        targets = self.model_config.target_modules
-        targets = list(targets) if not isinstance(targets, str) else targets
-        cfg = LoraConfig(r=self.model_config.lora_rank, lora_alpha=self.model_config.lora_alpha,
-                         target_modules=targets, init_lora_weights=self.model_config.init_lora_weights,
-                         bias="none")
-        module.requires_grad_(False)
-        inject_adapter_in_model(cfg, module, adapter_name="default")
-        if self.model_config.lora_adapter_path:
-            from safetensors.torch import load_file
-
-            path = self.model_config.lora_adapter_path
-            f = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
-            set_peft_model_state_dict(module, load_file(f), adapter_name="default")
-        base_dtype = next((p.dtype for n, p in module.named_parameters() if "lora_" not in n), None)
-        for name, p in module.named_parameters():
-            p.requires_grad_("lora_" in name)
-            if "lora_" in name and base_dtype is not None and p.dtype != base_dtype:
-                p.data = p.data.to(base_dtype)
-        return module
+        return inject_lora(module, self.model_config)
 
     def _build_fsdp_module(self, module):
         with _cpu_offload_without_pinning():
@@ -380,6 +389,7 @@ class DiffusersFSDPEngine(FSDPEngine):
         assert isinstance(loss_function, DiffusionStepLoss), "the diffusion engine needs a DiffusionStepLoss"
         ref_fn = self.reference_velocity_fn() if loss_function.needs_reference() else None
         total_items = max(int(rows_all["train_mask"][:, steps].sum()) if steps else 0, 1)
+        probe, self.consistency_probe = self.consistency_probe, False
         losses = []
         todo = [(m, k) for m in range(len(micro)) for k in steps if bool(table[m, k])]
         for i_backward, (m, k) in enumerate(todo, start=1):
@@ -398,6 +408,11 @@ class DiffusersFSDPEngine(FSDPEngine):
                     if q.log_prob is not None and "old_log_prob" in loss_function.spec.batch_keys:
                         lr_ = q.log_prob.detach() - st["old_log_prob"]
                         metrics.setdefault("actor/log_ratio_abs_max", []).append(float(lr_.abs().max()))
+                    if probe and q.log_prob is not None and st.get("rollout_log_prob") is not None:
+                        # Train/rollout consistency (DESIGN §3 step 6): log π_train of this forward vs the
+                        # rollout's log π at the same (x_t, x_next), mean over the rows; free, no extra forward.
+                        gap = (q.log_prob.detach().float() - st["rollout_log_prob"].float()).abs().mean()
+                        metrics.setdefault("rollout/logprob_abs_diff", []).append(float(gap))
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:

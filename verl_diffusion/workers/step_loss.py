@@ -105,6 +105,7 @@ def step_tensors(rows: Mapping[str, torch.Tensor], k: int) -> dict[str, Optional
         "c_x": _col(rows, "sde_cx", k), "c_v": _col(rows, "sde_cv", k), "std": _col(rows, "sde_std", k),
         "x0": lat[:, -1],
         "old_log_prob": _col(rows, "old_log_probs", k),
+        "rollout_log_prob": _col(rows, "rollout_log_probs", k),
         "advantages": _col(rows, "advantages", k),
         "old_velocity": _col(rows, "old_velocities", k),
         "group_ids": rows.get("group_ids", None),

@@ -27,6 +27,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.device import get_device_name
 
 from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, prepare_steps
+from verl_diffusion.workers.weight_sync import WeightSyncSender
 
 # Rollout keys that travel to the engine (images and strings stay behind).
 _TRAIN_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
@@ -157,7 +158,25 @@ def branched_settings(rollout_cfg) -> Optional[dict]:
     return {"num_children": kb, "branch_steps": steps}
 
 
-class DiffusionActorRolloutRefWorker(Worker):
+def diffusion_model_config(m, *, lora: bool):
+    """The engine's DiffusionModelConfig from ``actor_rollout_ref.model`` (also what a standalone replica builds)."""
+    from verl_diffusion.workers.engine import DiffusionModelConfig
+
+    targets = _plain(m.get("target_modules", None))
+    if targets in (None, "all-linear"):
+        # The architecture's own list: every attention / feed-forward projection (Qwen-Image, FLUX), or
+        # Flow-GRPO's joint-attention projections (SD3).
+        targets = model_adapter_cls(m).LORA_TARGETS
+        targets = targets if isinstance(targets, str) else list(targets)
+    return DiffusionModelConfig(
+        path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
+        lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
+        target_modules=targets, init_lora_weights=m.get("init_lora_weights", True),
+        lora_adapter_path=m.get("lora_adapter_path", None),
+        enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
+
+
+class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
     """Actor (verl TrainingWorker + our engine) + in-process diffusers rollout (+ frozen reference)."""
 
     def __init__(self, config: DictConfig, role: str = "actor_rollout"):
@@ -198,21 +217,7 @@ class DiffusionActorRolloutRefWorker(Worker):
                                     engine_config=engine_config, optimizer_config=optim, checkpoint_config=ckpt)
 
     def _model_config(self, *, lora: bool):
-        from verl_diffusion.workers.engine import DiffusionModelConfig
-
-        m = self.config.model
-        targets = _plain(m.get("target_modules", None))
-        if targets in (None, "all-linear"):
-            # The architecture's own list: every attention / feed-forward projection (Qwen-Image, FLUX), or
-            # Flow-GRPO's joint-attention projections (SD3).
-            targets = model_adapter_cls(m).LORA_TARGETS
-            targets = targets if isinstance(targets, str) else list(targets)
-        return DiffusionModelConfig(
-            path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
-            lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
-            target_modules=targets, init_lora_weights=m.get("init_lora_weights", True),
-            lora_adapter_path=m.get("lora_adapter_path", None),
-            enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
+        return diffusion_model_config(self.config.model, lora=lora)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -257,6 +262,14 @@ class DiffusionActorRolloutRefWorker(Worker):
 
         engine.velocity_fn_factory = velocity_factory
         self.rollout = DiffusersRollout(self.adapter, rollout_cfg)
+        # The colocated replica's in-worker adapter, found the way verl finds its own (``_ROLLOUT_REGISTRY``);
+        # replica r is worker r, so the driver-side replica server reaches it by this worker's rank.
+        from verl.workers.rollout.base import _ROLLOUT_REGISTRY, get_rollout_class
+
+        name = str(self.config.rollout.get("name", "diffusers"))
+        self.rollout_adapter = get_rollout_class(name, "async")(
+            config=self.config.rollout, model_config=self.config.model, replica_rank=self.rank,
+            generate_fn=self._serve_rollout, module=engine.module)
 
         # 3. reference: LoRA -> the adapter disabled (engine default); full fine-tune + KL -> frozen copy.
         if self.step_loss.needs_reference() and not engine._is_lora:
@@ -315,12 +328,39 @@ class DiffusionActorRolloutRefWorker(Worker):
         engine.load_extra_state_fn = load_extra
         return {"lora": bool(engine._is_lora), "reference": "adapter_disabled" if engine._is_lora else (
             "frozen_copy" if self.ref is not None else "none"), "loss": self.step_loss.name,
-            "architecture": self.adapter.architecture, "grid": rollout_cfg.grid}
+            "architecture": self.adapter.architecture, "grid": rollout_cfg.grid,
+            # The plugin's entry in verl's rollout dict, as this worker process sees it (tests read it per worker).
+            "rollout_adapter": _ROLLOUT_REGISTRY.get((name, "async"), ""),
+            "replica_rank": int(self.rollout_adapter.replica_rank)}
 
     # ------------------------------------------------------------------ rollout
 
+    def _serve_rollout(self, prompts: DataProto) -> DataProto:
+        """What the replica's adapter runs for a request: validation images (``meta_info['validate']``) or a
+        training rollout of this rank's rows."""
+        if prompts.meta_info.get("validate", False):
+            return self._generate_validation(prompts)
+        return self._generate_sequences(prompts)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def update_weights(self, global_steps: Optional[int] = None, mode: str = "naive"):
+        """verl's checkpoint-engine weight sync. ``naive`` (V1 sync, colocated): hand the actor's parameters to the
+        in-worker rollout adapter; they are the sampler's own tensors, the adapter checks that and records the
+        version. Any other backend (standalone / async replicas): send the weights through it (weight_sync.py)."""
+        import asyncio
+
+        if mode != "naive":
+            return self.send_weights(global_steps=global_steps, backend=mode)
+        params = ((n, p) for n, p in self.actor.engine.module.named_parameters())
+        asyncio.run(self.rollout_adapter.update_weights(params, global_steps=global_steps))
+        return {"rollout/foreign_tensors": float(self.rollout_adapter.foreign_tensors)}
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Rollout of this rank's samples (the same as a replica request; kept for direct worker tests)."""
+        return self._generate_sequences(prompts)
+
+    def _generate_sequences(self, prompts: DataProto) -> DataProto:
         """Rollout of this rank's samples (prompts already repeated n times, ``uid`` per group)."""
         meta = prompts.meta_info
         texts = [str(p) for p in prompts.non_tensor_batch["prompt"]]
@@ -359,6 +399,10 @@ class DiffusionActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_validation(self, data: DataProto) -> DataProto:
+        """ODE images of fixed prompts and seeds (the same as a validation replica request)."""
+        return self._generate_validation(data)
+
+    def _generate_validation(self, data: DataProto) -> DataProto:
         """ODE images of fixed prompts and seeds (EMA weights when an EMA is kept)."""
         texts = [str(p) for p in data.non_tensor_batch["prompt"]]
         seeds = [int(s) for s in data.non_tensor_batch["seed"]]
@@ -426,6 +470,7 @@ class DiffusionActorRolloutRefWorker(Worker):
         tu.assign_non_tensor(td, mini_batch_size=mini, epochs=int(meta.get("ppo_epochs", 1)),
                              seed=int(meta.get("seed", 0)),
                              dataloader_kwargs={"shuffle": bool(meta.get("shuffle", False))})
+        engine.consistency_probe = True
         out = self.actor.train_mini_batch(td)
         self._cache = None
         metrics = dict(tu.get(out, "metrics")) if out is not None else {}
