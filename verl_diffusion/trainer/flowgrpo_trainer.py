@@ -114,7 +114,14 @@ TRAINER_NAME = "diffusion_sync"
 @register_trainer(TRAINER_NAME)
 class RayFlowGRPOTrainer(PPOTrainerSync):
     """Flow-GRPO family trainer on verl's V1 sync trainer: one actor worker group, one colocated ``diffusers``
-    rollout replica per worker (module docstring: what is verl's and what is replaced)."""
+    rollout replica per worker (module docstring: what is verl's and what is replaced).
+
+    Args: config: the composed run config (``flowgrpo_trainer.yaml`` on verl's ``ppo_trainer``). reward_fn: the
+    driver-side reward (``rewards.build_reward``), ``(images, prompts, metadata) -> RewardResult``. run_dir: where
+    metrics, validation images and run state go. progress: print the workers / step / validation lines.
+    worker_cls: the actor+rollout worker class (default ``DiffusionActorRolloutRefWorker``).
+    ``init()`` (verl's) builds the workers and replicas and syncs the weights; ``fit()`` trains.
+    """
 
     def __init__(self, config, reward_fn, run_dir: Optional[str] = None, progress: bool = True,
                  worker_cls=None):
