@@ -365,6 +365,7 @@ def _hydra_main():
         from verl_diffusion.trainer.reward_health import RewardBudgetExceeded
         from verl_diffusion.trainer.run_dir import RunDirError
         from verl_diffusion.trainer.signals import StopRequested
+        from verl_diffusion.trainer.validation import validation_gain_line
 
         try:
             summary = run_flowgrpo(cfg)
@@ -388,6 +389,9 @@ def _hydra_main():
             first = sum(x["reward/mean"] for x in h[:k]) / k
             last = sum(x["reward/mean"] for x in h[-k:]) / k
             print(f"reward: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+        gain = validation_gain_line(summary.get("val_history") or [])
+        if gain:
+            print(gain)
         for key in ("reward_curve", "before_after", "metrics"):
             if key in summary:
                 print(f"{key}: {summary[key]}")

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import verl_diffusion.main_flowgrpo as mf
-from verl_diffusion.trainer.validation import image_grid, log_images, save_before_after, save_reward_curve
+from verl_diffusion.trainer.validation import (
+    image_grid, log_images, save_before_after, save_reward_curve, validation_gain_line,
+)
 
 
 def test_cpu_only_host_selects_cpu(monkeypatch):
@@ -49,6 +51,34 @@ def test_grid_curve_and_before_after(tmp_path):
     assert os.path.isfile(save_before_after(imgs, imgs, str(tmp_path / "ba.png")))
     assert os.path.isfile(save_reward_curve([1, 2], [0.1, 0.2], str(tmp_path / "c.png"), val_steps=[2],
                                             val_rewards=[0.3]))
+
+
+def test_before_after_wraps_into_before_above_after_chunks(tmp_path):
+    """40 images, 16 a row: 3 chunks, each a before row above its after row; image i of a chunk sits at the same
+    x in both rows (scale 1, 8 px images, 2 px padding, 6 px between chunks)."""
+    import numpy as np
+    from PIL import Image
+
+    before = torch.randint(0, 255, (40, 3, 8, 8), dtype=torch.uint8)
+    after = torch.randint(0, 255, (40, 3, 8, 8), dtype=torch.uint8)
+    a = np.asarray(Image.open(save_before_after(before, after, str(tmp_path / "ba.png"), scale=1, cols=16)))
+    margin = 7 * len("before") + 10
+    row_h = 8 + 2 * 2                                            # one image row of image_grid: pad + 8 + pad
+    assert a.shape == (3 * 2 * row_h + 2 * 6, margin + 16 * 10 + 2, 3)
+    for i in (0, 17, 39):                                         # first, second chunk's second, last image
+        chunk, col = divmod(i, 16)
+        y = chunk * (2 * row_h + 6) + 2
+        x = margin + 2 + col * 10
+        assert (a[y:y + 8, x:x + 8] == before[i].permute(1, 2, 0).numpy()).all()
+        assert (a[y + row_h:y + row_h + 8, x:x + 8] == after[i].permute(1, 2, 0).numpy()).all()
+
+
+def test_validation_gain_line():
+    first = {"step": 0, "val/reward_mean": 0.4766, "val/shapes/strict": 0.28125, "val/shapes/mean": 0.4766}
+    last = {"step": 40, "val/reward_mean": 0.5990, "val/shapes/strict": 0.36458, "val/shapes/mean": 0.5990}
+    assert validation_gain_line([first]) is None
+    assert validation_gain_line([first, {"step": 20}, last]) == (
+        "validation step 0 -> 40: reward 0.4766 -> 0.5990 (+0.1224) | shapes/strict 0.281 -> 0.365 (+8.3 points)")
 
 
 def test_reward_curve_draws_the_accuracy_axis(tmp_path):
