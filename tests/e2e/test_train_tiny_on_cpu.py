@@ -1,19 +1,16 @@
 """End to end on CPU through Ray, verl's worker group, TrainingWorker, our engine, the rollout and the trainer.
 
-Claims, each from ``python -m verl_diffusion.main_flowgrpo`` runs (the real entry point):
+Three claims, each from ``python -m verl_diffusion.main_flowgrpo`` runs (the real entry point):
 
-1. the default run learns: ``main_flowgrpo`` with no arguments (the shapes world, AWM on the pretrained shapes
-   model, 40 steps) raises the held-out strict accuracy and reward of its ODE validation (fixed prompts and noise)
-   by margins that the measured seeds clear with room (benchmarks/results/shapes_run.md);
+1. the reward goes up: mean reward over the last K steps exceeds the first K steps' by more than
+   Z = 3 standard errors of the difference of the per-step means (Welch; each per-step mean averages
+   train_batch_size × n images), a margin that sampling noise alone crosses with probability < 0.2 %;
 2. the importance ratio is exactly 1 at the first on-policy micro-step (training forwards the same batch
-   composition as the rollout, so ℓ_train = ℓ_rollout bitwise; |log ratio| = 0, not just small): the LoRA/CFG and
-   TempFlow runs below;
+   composition as the rollout, so ℓ_train = ℓ_rollout bitwise; |log ratio| = 0, not just small);
 3. a run whose reward server dies mid-run reports the failures on every progress line, stops on its failure
    budget (exit 3) with a checkpoint; resumed and then stopped by SIGTERM (exit 143, checkpoint), resumed again
    by the same command, its metrics.jsonl covers every step once, equal to an uninterrupted run's, and
    before/after still starts at step 0.
-
-Every run but the first is the JPEG demo (``--config-name tiny_cpu``: a tiny random model, seconds per step).
 """
 
 import json
@@ -24,51 +21,60 @@ import sys
 
 import pytest
 
-# The tiny_cpu defaults, spelled out.
+# The tiny_cpu defaults, spelled out (they learn within ~1.5 minutes on 2 cores).
 LEARN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.micro_batch_size=8",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.sde.noise_level=1.0",
          "actor_rollout_ref.rollout.sde.window.size=5", "actor_rollout_ref.rollout.sde.window.hi=5",
          "trainer.logger=[]"]
-# The default run's steps and validation interval (shapes_cpu.yaml).
-SHAPES_STEPS, SHAPES_TEST_FREQ = 40, 20
-# Held-out gains the test asks for (96 prompts; the measured seeds at step 40: see shapes_run.md).
-MIN_STRICT_GAIN = 0.04
-MIN_REWARD_GAIN = 0.05
+STEPS = int(os.environ.get("VD_E2E_STEPS", "100"))
+LR = os.environ.get("VD_E2E_LR", "3e-3")
+K = STEPS // 4
+Z = 3.0
 
 
-def _run(root, *overrides, config="tiny_cpu", timeout=600, rc=0):
+def _run(root, *overrides, timeout=600, rc=0):
     env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(root), RAY_DEDUP_LOGS="1")
-    name = [f"--config-name={config}"] if config else []
-    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", *name, *overrides], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", *overrides], capture_output=True,
                          text=True, env=env, timeout=timeout)
     assert res.returncode == rc, (res.returncode, res.stdout[-3000:], res.stderr[-5000:])
-    return _metrics(root, config or "shapes_cpu"), res.stdout
+    return _metrics(root), res.stdout
 
 
-def _metrics(root, experiment="tiny_cpu"):
-    with open(os.path.join(root, experiment, "metrics.jsonl")) as f:
+def _metrics(root):
+    with open(os.path.join(root, "tiny_cpu", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def test_default_run_raises_heldout_accuracy(tmp_path):
-    """``main_flowgrpo`` with no arguments: the shapes world. Its ODE validation of the 96 held-out prompts (same
-    prompts and noise at every validation) gains at least MIN_STRICT_GAIN strict accuracy and MIN_REWARD_GAIN
-    reward from step 0 to the end; the progress lines print both at every validation; the curve and the
-    before/after grid are written."""
-    rows, out = _run(tmp_path, config=None, timeout=900)
-    assert len(rows) == SHAPES_STEPS + 1 and "loss awm" in out
-    val = [r for r in rows if "val/shapes/strict" in r]
-    assert [r["step"] for r in val] == list(range(0, SHAPES_STEPS + 1, SHAPES_TEST_FREQ))
-    assert all(r["val/num_images"] == 96 for r in val)
-    strict_gain = val[-1]["val/shapes/strict"] - val[0]["val/shapes/strict"]
-    reward_gain = val[-1]["val/shapes/mean"] - val[0]["val/shapes/mean"]
-    print(f"held-out strict {val[0]['val/shapes/strict']:.3f} -> {val[-1]['val/shapes/strict']:.3f}, "
-          f"reward {val[0]['val/shapes/mean']:.3f} -> {val[-1]['val/shapes/mean']:.3f}")
-    assert strict_gain >= MIN_STRICT_GAIN and reward_gain >= MIN_REWARD_GAIN, (strict_gain, reward_gain)
-    assert f"validation step {SHAPES_STEPS} | reward {val[-1]['val/shapes/mean']:.4f} | shapes/strict" in out
-    run_dir = tmp_path / "shapes_cpu"
-    for name in ("reward_curve.png", "before_after.png"):
-        assert os.path.isfile(run_dir / name) and f"{run_dir / name}" in out
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learn")
+    rows, out = _run(root, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
+                     f"actor_rollout_ref.actor.optim.lr={LR}", *LEARN)
+    return root, rows, out
+
+
+def _mean_se(xs):
+    m = sum(xs) / len(xs)
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
+def test_reward_goes_up_beyond_noise(learning_run):
+    root, rows, out = learning_run
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rewards) == STEPS
+    first, se1 = _mean_se(rewards[:K])
+    last, se2 = _mean_se(rewards[-K:])
+    margin = Z * math.sqrt(se1 ** 2 + se2 ** 2)
+    print(f"reward first {K}: {first:.4f}±{se1:.4f}  last {K}: {last:.4f}±{se2:.4f}  diff {last - first:.4f} "
+          f"margin {margin:.4f}")
+    assert last - first > margin, (first, last, margin)
+    assert "reward_curve:" in out and os.path.isfile(os.path.join(root, "tiny_cpu", "reward_curve.png"))
+
+
+def test_first_on_policy_micro_step_has_ratio_exactly_one(learning_run):
+    _, rows, _ = learning_run
+    assert rows[0]["actor/first_micro_log_ratio_abs_max"] == 0.0
 
 
 class _Run:
@@ -79,8 +85,7 @@ class _Run:
         import threading
 
         env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(root), RAY_DEDUP_LOGS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "--config-name=tiny_cpu",
-                                      *overrides],
+        self.proc = subprocess.Popen([sys.executable, "-m", "verl_diffusion.main_flowgrpo", *overrides],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines, self.queue = [], queue.Queue()
         self.err = []
