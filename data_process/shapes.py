@@ -35,7 +35,7 @@ def rows_for(prompts: list[tuple[str, dict]], *, split: str, data_source: str, n
 def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
-    from verl_diffusion.shapes.world import heldout_prompts, sample_prompt
+    from verl_diffusion.shapes.world import TAGS, heldout_prompts, sample_prompt
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="~/data/shapes", help="output directory (~ is expanded) (default: %(default)s)")
@@ -45,11 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt draws (default: %(default)s)")
     parser.add_argument("--data-source", default="shapes", help="data_source column (default: %(default)s)")
     parser.add_argument("--negative-prompt", default="", help="negative prompt stored with every row (default: empty)")
+    parser.add_argument("--tags", default=None,
+                        help="comma-separated tags to keep in every file (default: all of world.TAGS)")
     args = parser.parse_args(argv)
     for name in ("train_size", "test_per_tag"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    tags = TAGS if args.tags is None else tuple(t.strip() for t in args.tags.split(",") if t.strip())
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown or not tags:
+        print(f"error: --tags {args.tags!r}: {unknown or 'empty'} not accepted; choose from {list(TAGS)}", file=sys.stderr)
+        return 2
     try:
         out_dir = check_output_dir(args.output)
     except ValueError as e:
@@ -57,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rng = np.random.default_rng(args.seed)
     splits = {
-        "train": [sample_prompt(rng, "train") for _ in range(args.train_size)],
-        "test": heldout_prompts(args.test_per_tag, seed=args.seed, split="heldout"),
+        "train": [sample_prompt(rng, "train", tags) for _ in range(args.train_size)],
+        "test": heldout_prompts(args.test_per_tag, seed=args.seed, split="heldout", tags=tags),
     }
     if args.train_eval:
-        splits["train_eval"] = heldout_prompts(args.test_per_tag, seed=args.seed, split="train")
+        splits["train_eval"] = heldout_prompts(args.test_per_tag, seed=args.seed, split="train", tags=tags)
     for split, prompts in splits.items():
         path = os.path.join(out_dir, f"{split}.parquet")
         write_parquet(rows_for(prompts, split=split, data_source=args.data_source,

@@ -64,3 +64,26 @@ def test_shapes_output_naming_a_file_is_one_line(tmp_path, capsys):
         assert shapes.main(["--train-size", "4", "--output", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: --output") and "is a file" in err[0], err
+
+
+def test_shapes_tags_keep_only_those_tags(tmp_path, capsys):
+    """--tags: every file holds only the listed tags, and a tag's held-out prompts are the same rows as in the
+    all-tag file (heldout_prompts draws each tag on its own); an unknown tag is one error line, exit 2."""
+    from verl_diffusion.shapes.world import TAGS
+
+    shapes = _load("shapes")
+    keep = ["colors", "two_object"]
+    assert shapes.main(["--train-size", "40", "--test-per-tag", "4", "--train-eval", "--tags", ",".join(keep),
+                        "--output", str(tmp_path / "k")]) == 0
+    assert shapes.main(["--train-size", "4", "--test-per-tag", "4", "--output", str(tmp_path / "all")]) == 0
+    for name, n in (("train", 40), ("test", 8), ("train_eval", 8)):
+        tags = [e["tag"] for e in pd.read_parquet(tmp_path / "k" / f"{name}.parquet").extra_info]
+        assert len(tags) == n and set(tags) == set(keep), (name, tags)
+    kept = pd.read_parquet(tmp_path / "k" / "test.parquet")
+    full = pd.read_parquet(tmp_path / "all" / "test.parquet")
+    full_kept = [r["ground_truth"] for r, e in zip(full.reward_model, full.extra_info) if e["tag"] in keep]
+    assert [r["ground_truth"] for r in kept.reward_model] == full_kept and len(full) == 4 * len(TAGS)
+    capsys.readouterr()
+    assert shapes.main(["--tags", "colors,shape", "--output", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tags" in err[0] and "'shape'" in err[0] and "counting" in err[0], err

@@ -51,6 +51,26 @@ def test_grid_curve_and_before_after(tmp_path):
                                             val_rewards=[0.3]))
 
 
+def test_before_after_wraps_into_before_above_after_chunks(tmp_path):
+    """40 images, 16 a row: 3 chunks, each a before row above its after row; image i of a chunk sits at the same
+    x in both rows (scale 1, 8 px images, 2 px padding, 6 px between chunks)."""
+    import numpy as np
+    from PIL import Image
+
+    before = torch.randint(0, 255, (40, 3, 8, 8), dtype=torch.uint8)
+    after = torch.randint(0, 255, (40, 3, 8, 8), dtype=torch.uint8)
+    a = np.asarray(Image.open(save_before_after(before, after, str(tmp_path / "ba.png"), scale=1, cols=16)))
+    margin = 7 * len("before") + 10
+    row_h = 8 + 2 * 2                                            # one image row of image_grid: pad + 8 + pad
+    assert a.shape == (3 * 2 * row_h + 2 * 6, margin + 16 * 10 + 2, 3)
+    for i in (0, 17, 39):                                         # first, second chunk's second, last image
+        chunk, col = divmod(i, 16)
+        y = chunk * (2 * row_h + 6) + 2
+        x = margin + 2 + col * 10
+        assert (a[y:y + 8, x:x + 8] == before[i].permute(1, 2, 0).numpy()).all()
+        assert (a[y + row_h:y + row_h + 8, x:x + 8] == after[i].permute(1, 2, 0).numpy()).all()
+
+
 def test_reward_curve_draws_the_accuracy_axis(tmp_path):
     import numpy as np
     from PIL import Image

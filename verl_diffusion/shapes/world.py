@@ -302,11 +302,13 @@ def pretrain_sample(
     return meta["prompt"], meta
 
 
-def heldout_prompts(n_per_tag: int, seed: int = 0, split: str = "heldout") -> list[tuple[str, dict]]:
-    """A fixed, tag-balanced list of ``n_per_tag`` prompts per tag from ``split`` (cycling through the
-    tag's compositions in a seeded order, so every composition appears before any repeats)."""
+def heldout_prompts(n_per_tag: int, seed: int = 0, split: str = "heldout",
+                    tags: Sequence[str] = TAGS) -> list[tuple[str, dict]]:
+    """A fixed, tag-balanced list of ``n_per_tag`` prompts per tag of ``tags`` from ``split`` (cycling through
+    the tag's compositions in a seeded order, so every composition appears before any repeats; a tag's prompts
+    do not depend on which other tags are listed)."""
     out = []
-    for t, tag in enumerate(TAGS):
+    for tag in tags:
         r = random.Random(f"{seed}/{tag}")
         comps = list(split_compositions(tag, split))
         r.shuffle(comps)

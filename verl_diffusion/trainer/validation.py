@@ -36,20 +36,31 @@ def save_grid(images: torch.Tensor, path: str, *, cols: Optional[int] = None, sc
 
 
 def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, scale: int = 2,
-                      labels: Sequence[str] = ("before", "after")) -> str:
-    """Top row: validation images before training; bottom row: after (same prompts and seeds).
+                      labels: Sequence[str] = ("before", "after"), cols: int = 16) -> str:
+    """Validation images before training above the same prompts and seeds after it.
 
-    Each row is labelled on a white left margin so the picture reads on its own.
+    The images are cut into chunks of ``cols``; each chunk is a "before" row directly above its "after" row (so a
+    person compares each image with the one under it, also for the 96 prompts of the shapes run), chunks separated
+    by a white band. Each row is labelled on a white left margin so the picture reads on its own.
     """
     from PIL import Image, ImageDraw
 
-    rows = [image_grid(imgs, cols=imgs.shape[0]) for imgs in (before, after)]
-    width = max(r.shape[1] for r in rows)
+    n = before.shape[0]
+    chunks = [(i, min(i + cols, n)) for i in range(0, n, cols)] or [(0, 0)]
+    rows = []
+    for k, (a, b) in enumerate(chunks):
+        for imgs, text in zip((before[a:b], after[a:b]), labels):
+            rows.append((image_grid(imgs, cols=max(1, b - a)) if b > a else np.full((1, 1, 3), 255, np.uint8),
+                         text, k > 0 and text == labels[0]))
+    width = max(r.shape[1] for r, _, _ in rows)
+    gap = 6  # output pixels between chunks
     margin = 7 * max(len(t) for t in labels) + 10  # output pixels: PIL's default font is ~6 px a character
-    canvas = Image.new("RGB", (width * scale + margin, sum(r.shape[0] for r in rows) * scale), "white")
+    height = sum(r.shape[0] * scale + (gap if new_chunk else 0) for r, _, new_chunk in rows)
+    canvas = Image.new("RGB", (width * scale + margin, height), "white")
     draw = ImageDraw.Draw(canvas)
     y = 0
-    for grid, text in zip(rows, labels):
+    for grid, text, new_chunk in rows:
+        y += gap if new_chunk else 0
         img = Image.fromarray(grid)
         if scale > 1:
             img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
