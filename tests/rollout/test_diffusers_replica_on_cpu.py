@@ -74,3 +74,21 @@ def test_replica_is_hybrid_only_and_replica_r_is_worker_r():
     assert replicas[1].server_address == "diffusers://hybrid/1"
     with pytest.raises(NotImplementedError, match="hybrid"):
         asyncio.run(replicas[0].init_standalone())
+
+
+def test_every_diffusion_server_answers_verls_control_calls_with_nothing():
+    """The colocated and standalone diffusers servers and the vllm-omni server share one no-op control half."""
+    import asyncio
+    import inspect
+
+    from verl_diffusion.rollout.diffusers_replica import DiffusersReplica
+    from verl_diffusion.rollout.diffusers_standalone import _ServerMethods
+    from verl_diffusion.rollout.server_controls import BatchServerControls
+    from verl_diffusion.rollout.vllm_omni.replica import VllmOmniServer
+
+    controls = [n for n, f in inspect.getmembers(BatchServerControls, inspect.iscoroutinefunction)]
+    assert len(controls) == 7
+    for cls in (DiffusersReplica, _ServerMethods, VllmOmniServer):
+        assert issubclass(cls, BatchServerControls), cls
+        obj = object.__new__(cls)
+        assert [asyncio.run(getattr(obj, n)()) for n in controls] == [None] * 7

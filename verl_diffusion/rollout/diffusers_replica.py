@@ -38,6 +38,7 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+from verl_diffusion.rollout.server_controls import BatchServerControls
 
 __all__ = ["REPLICA_NAME", "ADAPTER_PATH", "LOCAL_ADAPTERS", "DiffusersRolloutAdapter", "DiffusersServer",
            "DiffusersReplica", "load_diffusers_replica"]
@@ -145,7 +146,7 @@ class DiffusersServer:
     start_profile = stop_profile = _noop
 
 
-class DiffusersReplica(RolloutReplica):
+class DiffusersReplica(BatchServerControls, RolloutReplica):
     """The ``diffusers`` replica: hybrid (colocated) with the actor; replica r = actor worker r."""
 
     def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 8,
@@ -189,27 +190,6 @@ class DiffusersReplica(RolloutReplica):
 
     async def sleep(self):
         await self._all("sleep")
-
-    async def abort_all_requests(self, reject_request: bool = False):
-        return None
-
-    async def resume_generation(self):
-        return None
-
-    async def clear_kv_cache(self):
-        return None
-
-    async def release_kv_cache(self):
-        return None
-
-    async def resume_kv_cache(self):
-        return None
-
-    async def start_profile(self, **kwargs):
-        return None
-
-    async def stop_profile(self):
-        return None
 
 
 def load_diffusers_replica() -> type:

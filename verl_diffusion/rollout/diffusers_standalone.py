@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from verl_diffusion.rollout.checkpoint_engine import BACKEND as DEFAULT_BACKEND
+from verl_diffusion.rollout.server_controls import BatchServerControls
 
 __all__ = ["PLACEMENTS", "StandaloneDiffusersAdapter", "DiffusersStandaloneWorker", "DiffusersStandaloneReplica",
            "StandaloneServer", "placement", "num_standalone_replicas", "check_placement", "resolve_standalone_config",
@@ -209,7 +210,7 @@ def _worker_base():
     return CheckpointEngineWorker
 
 
-class _ServerMethods:
+class _ServerMethods(BatchServerControls):
     """The server half of :class:`DiffusersStandaloneWorker` (what verl's server manager and our trainer call)."""
 
     def generate(self, request: dict):
@@ -232,27 +233,6 @@ class _ServerMethods:
         return None
 
     async def sleep(self):
-        return None
-
-    async def abort_all_requests(self, reject_request: bool = False):
-        return None
-
-    async def resume_generation(self):
-        return None
-
-    async def clear_kv_cache(self):
-        return None
-
-    async def release_kv_cache(self):
-        return None
-
-    async def resume_kv_cache(self):
-        return None
-
-    async def start_profile(self, **kwargs):
-        return None
-
-    async def stop_profile(self):
         return None
 
 

@@ -31,6 +31,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 from verl_diffusion.rollout.diffusers_rollout import RolloutConfig, plan_rollout
 from verl_diffusion.rollout.vllm_omni import latent_shape_of
 from verl_diffusion.rollout.vllm_omni.protocol import (collate_trajectories, request_extra_args, write_lora_dir)
+from verl_diffusion.rollout.server_controls import BatchServerControls
 
 __all__ = ["REPLICA_NAME", "validate_vllm_omni_config", "VllmOmniReplica", "VllmOmniServer", "VllmOmniServerAdapter", "engine_kwargs",
            "build_engine_requests", "trajectory_of", "split_lora_weights", "load_vllm_omni_replica"]
@@ -365,7 +366,7 @@ def _control(_actor, *, replica_rank: int, method: str) -> None:
     adapter.wake_up_engine() if method == "wake_up" else adapter.sleep_engine()
 
 
-class VllmOmniServer:
+class VllmOmniServer(BatchServerControls):
     """Server actor of one vllm_omni replica: forwards to the adapter in the replica's GPU worker."""
 
     def __init__(self, replica_rank: int, workers: list):
@@ -387,28 +388,6 @@ class VllmOmniServer:
     async def sleep(self) -> None:
         await self.workers[0].__ray_call__.remote(functools.partial(_control, replica_rank=self.replica_rank,
                                                                     method="sleep"))
-
-    # A request is one batch sampled with one weights version: nothing to abort, no KV cache in diffusion.
-    async def abort_all_requests(self, reject_request: bool = False) -> None:
-        return None
-
-    async def resume_generation(self) -> None:
-        return None
-
-    async def clear_kv_cache(self) -> None:
-        return None
-
-    async def release_kv_cache(self) -> None:
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        return None
-
-    async def start_profile(self, **kwargs: Any) -> None:
-        return None
-
-    async def stop_profile(self) -> None:
-        return None
 
 
 class VllmOmniReplica(RolloutReplica):
