@@ -23,6 +23,7 @@ another process.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Optional
 
@@ -253,16 +254,11 @@ def _make_worker_class():
     return DiffusersStandaloneWorker
 
 
-_WORKER_CLASS = None
-
-
+@functools.cache
 def standalone_worker_class() -> type:
     """:class:`DiffusersStandaloneWorker`, built on first use (verl's base class is imported then, not at module
     import: importing verl runs our plugin)."""
-    global _WORKER_CLASS
-    if _WORKER_CLASS is None:
-        _WORKER_CLASS = _make_worker_class()
-    return _WORKER_CLASS
+    return _make_worker_class()
 
 
 def __getattr__(name: str):
@@ -350,14 +346,10 @@ def _make_replica_class():
     return DiffusersStandaloneReplica
 
 
-_REPLICA_CLASS = None
-
-
+@functools.cache
 def standalone_replica_class() -> type:
-    global _REPLICA_CLASS
-    if _REPLICA_CLASS is None:
-        _REPLICA_CLASS = _make_replica_class()
-    return _REPLICA_CLASS
+    """:class:`DiffusersStandaloneReplica`, built on first use (as :func:`standalone_worker_class`)."""
+    return _make_replica_class()
 
 
 def launch_standalone_replicas(arr_cfg, *, gpus_per_node: int = 1) -> list:
