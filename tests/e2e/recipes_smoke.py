@@ -1,7 +1,8 @@
 """Train each given recipe two steps with the tiny model of its architecture, all in ONE Ray session.
 
-Run by tests/e2e/test_recipes_train_on_cpu.py in a subprocess (the platform must be chosen before verl is first
-imported, which a pytest process that already imported verl cannot guarantee). Prints one JSON line per recipe:
+Its cases run for tests/e2e/test_recipes_train_on_cpu.py through ``run_case`` in the e2e suite's shared Ray session
+(tests/e2e/session_smoke.py, a subprocess: the platform must be chosen before verl is first imported, which a pytest
+process that already imported verl cannot guarantee); ``main`` runs them alone. Prints one JSON line per recipe:
 its history, validation history and the workers' report, or the error.
 
     python tests/e2e/recipes_smoke.py RECIPE:ARCH[:override,override...] ...

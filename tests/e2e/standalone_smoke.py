@@ -1,8 +1,9 @@
 """Train the tiny model a few steps colocated and through a standalone diffusers replica (weights through the
 ``diffusion_gloo`` checkpoint engine), LoRA and full fine-tune, all in ONE Ray session.
 
-Run by tests/e2e/test_standalone_replica_on_cpu.py in a subprocess (the platform is chosen before verl is first
-imported). Standalone runs get one replica per actor worker: replica r samples the rows colocated worker r would,
+Its cases run for tests/e2e/test_standalone_replica_on_cpu.py through ``run_case`` in the e2e suite's shared Ray
+session (tests/e2e/session_smoke.py, a subprocess: the platform is chosen before verl is first imported); ``main``
+runs them alone. Standalone runs get one replica per actor worker: replica r samples the rows colocated worker r would,
 with the same seed, so with equal weights a standalone run and a colocated one are the same computation.
 After every weight sync the trainer below compares the replica's transformer with the actor's, tensor by tensor.
 Prints one ``RESULT {json}`` line per run.
