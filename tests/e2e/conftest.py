@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="session")
 def session_runs(request) -> dict:
+    """Every selected module's SESSION_CASES, trained in one subprocess; {(kind, key): row}."""
     modules = sorted({item.module for item in request.session.items if getattr(item, "module", None) is not None
                       and hasattr(item.module, "SESSION_CASES")}, key=lambda m: m.__name__)
     specs = [spec for m in modules for spec in m.SESSION_CASES]
