@@ -1,7 +1,8 @@
 """Train each given recipe two steps with the tiny model of its architecture, all in ONE Ray session.
 
-Run by tests/e2e/test_recipes_train_on_cpu.py in a subprocess (the platform must be chosen before verl is first
-imported, which a pytest process that already imported verl cannot guarantee). Prints one JSON line per recipe:
+Its cases run for tests/e2e/test_recipes_train_on_cpu.py through ``run_case`` in the e2e suite's shared Ray session
+(tests/e2e/session_smoke.py, a subprocess: the platform must be chosen before verl is first imported, which a pytest
+process that already imported verl cannot guarantee); ``main`` runs them alone. Prints one JSON line per recipe:
 its history, validation history and the workers' report, or the error.
 
     python tests/e2e/recipes_smoke.py RECIPE:ARCH[:override,override...] ...
@@ -49,28 +50,36 @@ def tiny_overrides(name: str, arch: str, tmp: str) -> list[str]:
             "+reward.components.jpeg_compressibility=1.0", "reward.executor=sync"]
 
 
+RAY_ENV = {"VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "VERL_LOGGING_LEVEL": "WARN"}
+
+
+def run_case(case: str) -> dict:
+    """One ``RECIPE:ARCH[:override,...]`` case in the caller's Ray session: its row (or the error)."""
+    from verl_diffusion.main_flowgrpo import run_flowgrpo
+
+    name, arch, *extra = case.split(":")
+    extra = extra[0].split(",") if extra else []
+    row: dict = {"recipe": name, "arch": arch}
+    try:
+        cfg = compose(name, [*tiny_overrides(name, arch, tempfile.mkdtemp(prefix=f"vd_{name}_")), *extra])
+        summary = run_flowgrpo(cfg, finalize=False)
+        row.update(history=summary["history"], val_history=summary["val_history"],
+                   worker_info=summary["worker_info"], model_path=str(cfg.actor_rollout_ref.model.path),
+                   loss_mode=str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode))
+    except Exception as e:   # reported by the recipe's own test
+        row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    return row
+
+
 def main(cases: list[str]) -> None:
     os.environ["VERL_PLATFORM"] = "cpu"
     import ray
 
-    from verl_diffusion.main_flowgrpo import run_flowgrpo
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
-        "VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "VERL_LOGGING_LEVEL": "WARN"}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ENV})
     try:
         for case in cases:
-            name, arch, *extra = case.split(":")
-            extra = extra[0].split(",") if extra else []
-            row: dict = {"recipe": name, "arch": arch}
-            try:
-                cfg = compose(name, [*tiny_overrides(name, arch, tempfile.mkdtemp(prefix=f"vd_{name}_")), *extra])
-                summary = run_flowgrpo(cfg, finalize=False)
-                row.update(history=summary["history"], val_history=summary["val_history"],
-                           worker_info=summary["worker_info"], model_path=str(cfg.actor_rollout_ref.model.path),
-                           loss_mode=str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode))
-            except Exception as e:   # reported by the recipe's own test
-                row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-            print("RESULT " + json.dumps(row, default=float), flush=True)
+            print("RESULT " + json.dumps(run_case(case), default=float), flush=True)
     finally:
         ray.shutdown()
 

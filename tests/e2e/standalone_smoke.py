@@ -1,8 +1,9 @@
 """Train the tiny model a few steps colocated and through a standalone diffusers replica (weights through the
 ``diffusion_gloo`` checkpoint engine), LoRA and full fine-tune, all in ONE Ray session.
 
-Run by tests/e2e/test_standalone_replica_on_cpu.py in a subprocess (the platform is chosen before verl is first
-imported). Standalone runs get one replica per actor worker: replica r samples the rows colocated worker r would,
+Its cases run for tests/e2e/test_standalone_replica_on_cpu.py through ``run_case`` in the e2e suite's shared Ray
+session (tests/e2e/session_smoke.py, a subprocess: the platform is chosen before verl is first imported); ``main``
+runs them alone. Standalone runs get one replica per actor worker: replica r samples the rows colocated worker r would,
 with the same seed, so with equal weights a standalone run and a colocated one are the same computation.
 After every weight sync the trainer below compares the replica's transformer with the actor's, tensor by tensor.
 Prints one ``RESULT {json}`` line per run.
@@ -83,33 +84,40 @@ def register_probe_trainer():
     return Probe
 
 
+def run_case(case: str, probe) -> dict:
+    """One ``NAME:PLACEMENT:LORA_RANK[:sync|async[:WORKERS]]`` case in the caller's Ray session (the probe trainers
+    registered by ``register_probe_trainer``, passed as ``probe``): its row (or the error)."""
+    from recipes_smoke import compose
+
+    from verl_diffusion.main_flowgrpo import run_flowgrpo
+
+    name, placement, lora, *rest = case.split(":")
+    mode = rest[0] if rest else "sync"
+    workers = int(rest[1]) if len(rest) > 1 else 1
+    row: dict = {"name": name, "placement": placement, "lora": int(lora), "mode": mode, "workers": workers}
+    probe.probes = []
+    try:
+        cfg = compose("tiny_cpu", overrides(placement, int(lora), tempfile.mkdtemp(prefix=f"vd_{name}_"), mode,
+                                         workers))
+        summary = run_flowgrpo(cfg, finalize=False)
+        row.update(history=summary["history"], worker_info=summary["worker_info"], probes=probe.probes)
+    except Exception as e:   # reported by the run's own test
+        row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    return row
+
+
 def main(cases: list[str]) -> None:
     os.environ["VERL_PLATFORM"] = "cpu"
     import ray
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from recipes_smoke import compose
-
-    from verl_diffusion.main_flowgrpo import run_flowgrpo
+    from recipes_smoke import RAY_ENV
 
     probe = register_probe_trainer()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
-        "VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "VERL_LOGGING_LEVEL": "WARN"}})
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ENV})
     try:
         for case in cases:
-            name, placement, lora, *rest = case.split(":")
-            mode = rest[0] if rest else "sync"
-            workers = int(rest[1]) if len(rest) > 1 else 1
-            row: dict = {"name": name, "placement": placement, "lora": int(lora), "mode": mode, "workers": workers}
-            probe.probes = []
-            try:
-                cfg = compose("tiny_cpu", overrides(placement, int(lora), tempfile.mkdtemp(prefix=f"vd_{name}_"), mode,
-                                                 workers))
-                summary = run_flowgrpo(cfg, finalize=False)
-                row.update(history=summary["history"], worker_info=summary["worker_info"], probes=probe.probes)
-            except Exception as e:   # reported by the run's own test
-                row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-            print("RESULT " + json.dumps(row, default=float), flush=True)
+            print("RESULT " + json.dumps(run_case(case, probe), default=float), flush=True)
     finally:
         ray.shutdown()
 

@@ -1,7 +1,8 @@
 """Each Qwen-Image / FLUX recipe trains two steps through Ray on CPU, with the tiny model of its architecture built
 by ``actor_rollout_ref.model.tiny`` in place of the real weights (saved and loaded through the real path).
 
-One subprocess, one Ray session for all recipes (``run_flowgrpo`` uses an initialised Ray and releases its workers);
+One subprocess, one Ray session for all recipes and the other e2e modules' in-process runs (tests/e2e/conftest.py;
+``run_flowgrpo`` uses an initialised Ray and releases its workers);
 one worker per run; the recipe's own loss, sampler, window, steps, grid, dtype, LoRA and guidance, shrunk only in size
 (64 px, 2 prompts × 4 images, 2 mini-batches, 2 steps; tests/e2e/recipes_smoke.py). Every reward is replaced by JPEG
 compressibility: the random tiny models write no text (OCR would score 0 everywhere, so nothing would train) and
@@ -10,16 +11,11 @@ PickScore / HPSv3 need weights; the rewards have tests of their own.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
 # recipe -> (tiny architecture, extra overrides). The first recipe of each architecture also runs the ODE validation;
 # FLUX.2-klein trains with CFG 4 here (its recipe's Table-1 setting is CFG off) so every architecture runs guided.
 CASES = {
@@ -32,16 +28,14 @@ CASES = {
 PIPELINES = {"qwen_image": "QwenImagePipeline", "flux": "FluxPipeline", "flux2_klein": "Flux2KleinPipeline"}
 
 
+SESSION_CASES = [{"kind": "recipe", "case": ":".join([name, arch, ",".join(extra)]) if extra else f"{name}:{arch}"}
+                 for name, (arch, extra) in CASES.items()]
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    args = [":".join([name, arch, ",".join(extra)]) if extra else f"{name}:{arch}" for name, (arch, extra) in CASES.items()]
-    env = dict(os.environ, VERL_PLATFORM="cpu", RAY_DEDUP_LOGS="1")
-    res = subprocess.run([sys.executable, str(HERE / "recipes_smoke.py"), *args], capture_output=True, text=True,
-                         env=env, timeout=1500)
-    rows = {r["recipe"]: r for r in (json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines()
-                                     if line.startswith("RESULT "))}
-    assert res.returncode == 0 and rows, (res.stdout[-3000:], res.stderr[-5000:])
-    return rows
+def runs(session_runs) -> dict:
+    """The recipe rows of the e2e suite's shared Ray session (tests/e2e/conftest.py)."""
+    return {r["recipe"]: r for (kind, _), r in session_runs.items() if kind == "recipe"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

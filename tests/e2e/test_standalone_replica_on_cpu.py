@@ -1,6 +1,6 @@
 """Training through a standalone diffusers replica (its own Ray process, weights through the ``diffusion_gloo``
-checkpoint engine every step) on CPU, LoRA and full fine-tune, against the colocated replica; one Ray session
-(tests/e2e/standalone_smoke.py).
+checkpoint engine every step) on CPU, LoRA and full fine-tune, against the colocated replica; one Ray session,
+shared with the other e2e modules' in-process runs (tests/e2e/standalone_smoke.py, tests/e2e/conftest.py).
 
 Standalone runs get one replica per actor worker (full fine-tune: 2, LoRA: 1): replica r samples the rows colocated
 worker r would, with the same seed, so once the replicas' weights equal the actor's the two runs are the same
@@ -16,28 +16,20 @@ computation. Claims:
    log-probs are the rollout's, SPEC §0.4), and the replica still equals the actor after every sync.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).resolve().parent
 # full fine-tune: 2 actor workers and 2 replicas (rank 1 gathers shards outside the broadcast; two receivers)
 CASES = ["co_full:colocated:0:sync:2", "sa_full:standalone:0:sync:2", "co_lora:colocated:4", "sa_lora:standalone:4",
          "as_lora:standalone:4:async"]
 
 
+SESSION_CASES = [{"kind": "standalone", "case": case} for case in CASES]
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    env = dict(os.environ, VERL_PLATFORM="cpu", OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="1")
-    res = subprocess.run([sys.executable, str(HERE / "standalone_smoke.py"), *CASES], capture_output=True, text=True,
-                         env=env, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = [json.loads(line[len("RESULT "):]) for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-    out = {r["name"]: r for r in rows}
+def runs(session_runs) -> dict:
+    """The standalone-smoke rows of the e2e suite's shared Ray session (tests/e2e/conftest.py)."""
+    out = {session_runs[("standalone", case)]["name"]: session_runs[("standalone", case)] for case in CASES}
     for name, row in out.items():
         assert "error" not in row, (name, row["error"])
     return out

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from geneval_helpers import geneval_prompts, geneval_server
 
 # The tiny_cpu defaults, spelled out (they learn within ~1.5 minutes on 2 cores).
 LEARN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.micro_batch_size=8",
@@ -30,6 +31,14 @@ STEPS = int(os.environ.get("VD_E2E_STEPS", "100"))
 LR = os.environ.get("VD_E2E_LR", "3e-3")
 K = STEPS // 4
 Z = 3.0
+
+
+# The fault / resume runs' settings (the prompt files and the server's URL are added per run): validation every step,
+# checkpoints only on stops, a weight-0 GenEval reward whose failures count against a budget of 2 steps.
+FAULT_COMMON = ["trainer.test_freq=1", "trainer.save_freq=-1", "+reward.components.geneval=0.0",
+                "+reward.options.geneval.max_retries=0", "+reward.options.geneval.timeout=10",
+                "trainer.reward_failure_budget.max_consecutive_steps=2", *LEARN]
+FULL_STEPS = 8   # the uninterrupted reference; the chain ends at step 6 or 7 (SIGTERM after step 5 or 6)
 
 
 def _run(root, *overrides, timeout=600, rc=0):
@@ -137,58 +146,20 @@ class _Run:
         return self.proc.returncode, "".join(self.lines), "".join(self.err)
 
 
-def _geneval_prompts(path):
-    """Tiny prompt file with GenEval ground truth per row (the server below scores coloured boxes)."""
-    metas = [{"tag": "colors", "include": [{"class": "cup", "count": 1, "color": c}], "prompt": f"a photo of a {c} cup"}
-             for c in ("red", "green", "blue", "yellow", "purple", "orange", "pink", "black")]
-    with open(path, "w") as f:
-        for m in metas:
-            f.write(json.dumps({"prompt": m["prompt"], "reward_model": {"ground_truth": json.dumps(m)}}) + "\n")
-    return str(path)
-
-
-def _geneval_server(die_after_train_requests=None):
-    """A loopback GenEval server (coloured-box scorer). With ``die_after_train_requests=k`` it stops listening while
-    answering the k-th training request (32 images), so the run's step k+1 is the first to find it gone."""
-    import threading
-    from http.server import ThreadingHTTPServer
-
-    from verl_diffusion.rewards.geneval_server import ColorBlobScorer, _handler
-
-    scorer, seen = ColorBlobScorer({"cup": (200, 0, 200)}), []
-
-    def score(images, metas, only_strict):
-        out = scorer(images, metas, only_strict)
-        if die_after_train_requests and len(images) == 32:
-            seen.append(1)
-            if len(seen) == die_after_train_requests:     # gone before this reply is sent: no race with step k+1
-                srv.shutdown()                              # (this handler runs in its own thread)
-                srv.server_close()
-        return out
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(score))
-    srv.daemon_threads = True
-    threading.Thread(target=lambda: srv.serve_forever(poll_interval=0.05), daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
-
-
-def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
+def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path, session_runs):
     """The jpeg reward trains; a GenEval server (weight 0: it changes no score, only the failure accounting) dies
     after step 2. Run A reports `failed geneval 32/32` on each later step, warns once when the fault starts, and
     stops after 2 failing steps (trainer.reward_failure_budget) with exit 3 and a checkpoint at step 4 (save_freq
     is off), the end of an epoch (8 prompts, 4 per step), where verl skips the dataloader state. Run B (the same
     command, a live server) resumes and is stopped by SIGTERM: it finishes its step, saves and exits 143. Run C
     resumes again to the end; a rerun of C says the run is finished and touches nothing. metrics.jsonl holds
-    steps 0..L once each, equal to an uninterrupted run's; the step-0 validation images survive both resumes for
-    before/after."""
+    steps 0..L once each, equal to an uninterrupted run's (the same settings, trained in the e2e suite's Ray session
+    with a live server); the step-0 validation images survive both resumes for before/after."""
     import signal
 
-    prompts = _geneval_prompts(tmp_path / "prompts.jsonl")
-    srv, url = _geneval_server(die_after_train_requests=2)
-    common = ["trainer.test_freq=1", "trainer.save_freq=-1", f"data.train_files=[{prompts}]",
-              f"data.val_files=[{prompts}]", "+reward.components.geneval=0.0",
-              "+reward.options.geneval.max_retries=0", "+reward.options.geneval.timeout=10",
-              "trainer.reward_failure_budget.max_consecutive_steps=2", *LEARN]
+    prompts = geneval_prompts(tmp_path / "prompts.jsonl")
+    srv, url = geneval_server(die_after_train_requests=2)
+    common = [f"data.train_files=[{prompts}]", f"data.val_files=[{prompts}]", *FAULT_COMMON]
     root = tmp_path / "killed"
     run_dir = root / "tiny_cpu"
     a = _Run(root, "trainer.total_training_steps=200", f"+reward.options.geneval.url={url}", *common)
@@ -211,7 +182,7 @@ def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
     assert [r["step"] for r in rows_a] == list(range(stop_a + 1))      # the step-0 validation, then every step
     assert [r["reward/geneval/failures"] for r in rows_a[stop_a - 1:]] == [32.0, 32.0]
 
-    srv, url = _geneval_server()
+    srv, url = geneval_server()
     try:
         b = _Run(root, "trainer.total_training_steps=200", f"+reward.options.geneval.url={url}", *common)
         try:
@@ -227,13 +198,17 @@ def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
         assert stop_b > stop_a and f"stopped by SIGTERM after step {stop_b}" in out, (out[-3000:], err[-3000:])
         end = stop_b + 1
         rows, out = _run(root, f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}", *common)
-        full, _ = _run(tmp_path / "full", f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}",
-                       *common)
         _, again = _run(root, f"trainer.total_training_steps={end}", f"+reward.options.geneval.url={url}", *common)
         assert f"already finished at step {end}" in again and _metrics(root) == rows   # says so, touches nothing
     finally:
         srv.shutdown()
         srv.server_close()
+    # the uninterrupted run: the same command's settings in the e2e suite's Ray session, FULL_STEPS >= end steps (a
+    # constant learning rate; nothing before step `end` depends on the total), its first end + 1 rows
+    full = session_runs[("tiny", "fault_reference")]
+    assert "error" not in full, (full["error"], full["out"][-3000:])
+    assert end <= FULL_STEPS, (end, FULL_STEPS)
+    full = full["rows"][:end + 1]
     assert [r["step"] for r in rows] == [r["step"] for r in full] == list(range(end + 1))
     for a_row, b_row in zip(full[1:], rows[1:]):
         for key in ("reward/mean", "reward/std", "advantages/abs_max", "loss", "grad_norm", "val/reward_mean"):
@@ -246,14 +221,46 @@ def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path):
         (run_dir / "run_state.json").read_text()) == {"status": "finished", "step": end}
 
 
-def test_lora_cfg_ema_off_policy_through_ray(tmp_path):
-    """LoRA (reference = adapter disabled), CFG 4.5 in rollout and training, EMA, 2 epochs × 2 mini-batches
-    (old log-probs recomputed): the recompute equals the rollout's log-probs and ratio = 1 at the first micro-step."""
-    rows, out = _run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
+# The short trainings below check features through Ray, not the command line: they run in the e2e suite's shared
+# Ray session (tests/e2e/conftest.py, tests/e2e/session_smoke.py), each tiny_cpu with these overrides in a fresh run
+# directory (fault_reference: with the GenEval prompt file and a live GenEval server of its own); a row holds the
+# run's metrics.jsonl and what the trainer printed.
+SESSION_CASES = [{"kind": "tiny", "name": name, "overrides": overrides, "geneval": name == "fault_reference"}
+                 for name, overrides in {
+    "lora_cfg_ema": ["trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
                      "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
                      "actor_rollout_ref.rollout.guidance_scale=4.5", "actor_rollout_ref.actor.ema.enable=true",
                      "actor_rollout_ref.actor.ema.interval=1", "actor_rollout_ref.actor.ppo_epochs=2",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", *LEARN)
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", *LEARN],
+    "path_space": ["trainer.total_training_steps=2", "trainer.test_freq=-1",
+                   "actor_rollout_ref.actor.policy_loss.loss_mode=path_space", *LEARN],
+    "nft_soft_old_policy": ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                            "actor_rollout_ref.actor.policy_loss.loss_mode=diffusion_nft",
+                            "actor_rollout_ref.actor.old_policy.schedule=nft",
+                            "actor_rollout_ref.actor.old_policy.nft_type=1", *LEARN],
+    "fault_reference": [f"trainer.total_training_steps={FULL_STEPS}", *FAULT_COMMON],
+    "tempflow_branched": ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                          "trainer.logger=[]", "data.train_batch_size=2", "actor_rollout_ref.rollout.num_steps=4",
+                          "actor_rollout_ref.rollout.micro_batch_size=4",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                          "actor_rollout_ref.rollout.sde.noise_level=1.0", "actor_rollout_ref.rollout.sde.window.size=2",
+                          "actor_rollout_ref.rollout.sde.window.hi=3",
+                          "actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo",
+                          "actor_rollout_ref.rollout.branched.enabled=true",
+                          "actor_rollout_ref.rollout.branched.branch_steps=[0,1]"],
+}.items()]
+
+
+def _session_run(session_runs, name):
+    row = session_runs[("tiny", name)]
+    assert "error" not in row, (row["error"], row["out"][-3000:])
+    return row["rows"], row["out"]
+
+
+def test_lora_cfg_ema_off_policy_through_ray(session_runs):
+    """LoRA (reference = adapter disabled), CFG 4.5 in rollout and training, EMA, 2 epochs × 2 mini-batches
+    (old log-probs recomputed): the recompute equals the rollout's log-probs and ratio = 1 at the first micro-step."""
+    rows, out = _session_run(session_runs, "lora_cfg_ema")
     assert "LoRA r4 | reference adapter_disabled" in out
     for r in rows:
         assert r["rollout/train_rollout_log_prob_abs_max"] == 0.0
@@ -266,38 +273,28 @@ def test_lora_cfg_ema_off_policy_through_ray(tmp_path):
 # test_diffusion_nft_with_soft_old_policy_through_ray and in the qwenimage_hpsv3_diffusion_nft recipe run, and with the
 # default old policy in the engine's test_loss_mode_trains: a third Ray run of it would add a minute of CI and no check.
 @pytest.mark.parametrize("mode", ["path_space"])
-def test_losses_with_per_step_preparation_through_ray(tmp_path, mode):
+def test_losses_with_per_step_preparation_through_ray(session_runs, mode):
     """The path-space prepare hook runs in the worker over whole groups before mini-batching; 2 steps train with
     finite loss."""
-    rows, _ = _run(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                   f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", *LEARN)
+    rows, _ = _session_run(session_runs, mode)
     assert len(rows) == 2
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
 
 
-def test_diffusion_nft_with_soft_old_policy_through_ray(tmp_path):
+def test_diffusion_nft_with_soft_old_policy_through_ray(session_runs):
     """SPEC §8.2 through Ray: diffusion_nft with actor.old_policy schedule nft type 1 (θ_old samples the rollouts
     and gives v_old); after each step's training θ_old ← d·θ_old + (1 − d)·θ with d = 0.001·n, n = optimizer steps."""
-    rows, _ = _run(tmp_path, "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                   "actor_rollout_ref.actor.policy_loss.loss_mode=diffusion_nft",
-                   "actor_rollout_ref.actor.old_policy.schedule=nft", "actor_rollout_ref.actor.old_policy.nft_type=1",
-                   *LEARN)
+    rows, _ = _session_run(session_runs, "nft_soft_old_policy")
     assert [r["actor/old_policy_decay"] for r in rows] == pytest.approx([0.001, 0.002, 0.003])
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
 
 
-def test_tempflow_branched_rollout_through_ray(tmp_path):
+def test_tempflow_branched_rollout_through_ray(session_runs):
     """TempFlow-GRPO (SPEC §3.3) through Ray: branched rollout (ODE trunk, 2 children at k ∈ {0, 1} of N = 4),
     process advantages within (prompt, k) on the driver, micro-batches mixing branch steps in the engine."""
-    rows, out = _run(tmp_path, "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                     "trainer.logger=[]", "data.train_batch_size=2", "actor_rollout_ref.rollout.num_steps=4",
-                     "actor_rollout_ref.rollout.micro_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                     "actor_rollout_ref.rollout.sde.noise_level=1.0", "actor_rollout_ref.rollout.sde.window.size=2",
-                     "actor_rollout_ref.rollout.sde.window.hi=3", "actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo",
-                     "actor_rollout_ref.rollout.branched.enabled=true",
-                     "actor_rollout_ref.rollout.branched.branch_steps=[0,1]")
+    rows, out = _session_run(session_runs, "tempflow_branched")
     assert "loss tempflow_grpo" in out and "8 images/step" in out     # 2 prompts × 2 branch steps × 2 children
     assert len(rows) == 3
     assert rows[0]["actor/first_micro_log_ratio_abs_max"] == 0.0

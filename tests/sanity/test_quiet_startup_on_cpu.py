@@ -4,8 +4,6 @@ notices, setuptools' deprecated license table."""
 
 import logging
 import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -17,13 +15,10 @@ CPU_HOST = not torch.cuda.is_available() and not os.path.exists("/dev/nvidia0")
 
 
 @pytest.mark.skipif(not CPU_HOST, reason="the fallback explanation is for hosts without an accelerator")
-def test_cpu_host_import_explains_the_platform_fallback_and_drops_torchvision_notices():
-    env = dict(os.environ)
-    env.pop("VERL_PLATFORM", None)
-    code = ("import verl\nfrom verl.utils.device import get_device_name\nget_device_name()\n"
-            "from transformers import CLIPImageProcessor, SiglipImageProcessor\n"
-            "import diffusers\ndiffusers.StableDiffusion3Pipeline\nprint('ok')")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+def test_cpu_host_import_explains_the_platform_fallback_and_drops_torchvision_notices(fresh_import_verl):
+    """A fresh ``import verl`` with VERL_PLATFORM unset, then transformers' image processors and diffusers' SD3 pipeline
+    (tests/sanity/conftest.py; the same process checks the registrations in test_layout_on_cpu.py)."""
+    res = fresh_import_verl
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
     err = res.stderr
     assert "Falling back to 'nvidia'" not in err and "is registered but not available" not in err, err
@@ -33,11 +28,8 @@ def test_cpu_host_import_explains_the_platform_fallback_and_drops_torchvision_no
 
 
 @pytest.mark.skipif(not CPU_HOST, reason="on a GPU host the check uses the GPU platform")
-def test_check_command_selects_cpu_first_and_prints_no_fallback():
-    env = dict(os.environ)
-    env.pop("VERL_PLATFORM", None)
-    res = subprocess.run([sys.executable, "-m", "verl_diffusion.check"], capture_output=True, text=True, env=env,
-                         timeout=300)
+def test_check_command_selects_cpu_first_and_prints_no_fallback(check_command):
+    res = check_command     # VERL_PLATFORM unset (tests/sanity/conftest.py; test_layout_on_cpu.py reads it too)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "  platform:cpu" in res.stdout
     out = res.stdout + res.stderr

@@ -91,13 +91,21 @@ def test_empty_reward(tmp_path, tiny_model):
         _check(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", "~reward.components.jpeg_compressibility"))
 
 
-def test_cli_prints_one_line_and_starts_no_ray(tmp_path):
-    env = dict(os.environ, VERL_DIFFUSION_RUN_ROOT=str(tmp_path))
+def test_cli_prints_one_line_starts_no_ray_and_hydra_writes_nothing(tmp_path):
+    """One command-line run stopped by the pre-Ray checks, started in an empty working directory: exit 2, one line
+    naming the field, no Ray. Hydra's own outputs/<date>/<time>/ (.hydra copy, main_flowgrpo.log) would sit beside
+    ./outputs/<experiment> in every working directory; the base config turns it off. A run stopped by the pre-Ray
+    checks still starts the hydra job, so it shows what hydra writes (issue 12; one subprocess for both claims, each
+    costs a verl import)."""
+    env = dict(os.environ)
+    env.pop("VERL_DIFFUSION_RUN_ROOT", None)
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "algorithm.adv_estimator=nope"],
-                         capture_output=True, text=True, env=env, timeout=300)
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "config error: algorithm.adv_estimator='nope' is unknown" in res.stderr
     assert "Started a local Ray instance" not in res.stdout + res.stderr
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert not [p for p in written if ".hydra" in p or p.endswith(".log") or p.startswith("outputs/20")], written
 
 
 def test_prompt_dataset_reads_txt_jsonl_and_chat(tmp_path):

@@ -11,6 +11,7 @@ settings (SPEC sections in docs/recipes.md). No Ray, no training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -203,9 +204,18 @@ def _compose(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=[*_searchpath(), *overrides])
 
 
-def _overrides(name: str, assets, tmp_path, *, model=True, reward=True) -> list[str]:
+@functools.cache
+def _raw(name: str):
+    """The recipe as written (no overrides), composed once per recipe and read-only: a hydra compose of verl's
+    config tree costs about a second, and several tests of each recipe read it."""
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-        raw = compose(config_name=name, overrides=[*_searchpath()])
+        cfg = compose(config_name=name, overrides=[*_searchpath()])
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _overrides(name: str, assets, tmp_path, *, model=True, reward=True) -> list[str]:
+    raw = _raw(name)
     ov = [f"trainer.run_dir={tmp_path}/run", f"trainer.default_local_dir={tmp_path}/ckpt"]
     if model:
         ov.append(f"actor_rollout_ref.model.path={assets['models'][recipe_architecture(name)]}")
@@ -293,8 +303,7 @@ def test_recipes_need_the_model_path(name, assets, tmp_path):
 
 @pytest.mark.parametrize("name", [n for n in RECIPE_NAMES if n != "tiny_cpu"])
 def test_data_paths_are_what_data_process_writes(name):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-        cfg = compose(config_name=name, overrides=_searchpath())
+    cfg = _raw(name)
     train, val = list(cfg.data.train_files), list(cfg.data.val_files)
     ds = [d for d, out in DATASETS.items() if train == [f"{out}/train.parquet"]]
     assert len(ds) == 1 and val == [f"{DATASETS[ds[0]]}/test.parquet"], (train, val)
