@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--ema", type=float, default=0.998)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8, help="width = heads × head-dim (128)")
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--text-width", type=int, default=32)
     p.add_argument("--text-seq-len", type=int, default=12)
@@ -366,6 +366,7 @@ def save(pipe, args, argv, results):
     cmd = "python scripts/pretrain_shapes.py " + " ".join(sys.argv[1:] if argv is None else argv)
     manifest = {
         "command": cmd.strip(),
+        **({"vae_source": str(args.skip_vae)} if args.skip_vae else {}),
         "torch": torch.__version__,
         "results": results,
         "files": {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files},
