@@ -1,8 +1,9 @@
 """Hydra entry point: ``python -m verl_diffusion.main_flowgrpo [--config-name NAME] [key=value ...]``.
 
-With no arguments it runs the CPU demo (``config/tiny_cpu.yaml``): a tiny random SD3 saved into the run
-directory and loaded through the real loading path, the packaged prompts, the JPEG-compressibility reward,
-2 Ray workers, a progress line per step; at the end a reward-curve PNG and a before/after grid.
+With no arguments it runs the shapes world on the CPU (``config/shapes_cpu.yaml``, issue 9): the packaged pretrained
+shapes model fine-tuned with the ``shapes`` reward through 2 Ray workers, a progress line per step, the held-out strict
+accuracy and reward at each validation and their gain at the end; a reward/accuracy-curve PNG and a before/after grid.
+``--config-name tiny_cpu`` is the JPEG demo on a tiny random SD3.
 
 Outputs go to the run directory, ``./outputs/<experiment_name>`` by default, printed first; what a run does with
 an existing one (resume, "already finished", refuse) is decided before Ray starts (trainer/run_dir.py). Exit
@@ -381,11 +382,12 @@ def release_workers(trainer, pools) -> None:
 def _hydra_main():
     import hydra
 
-    @hydra.main(config_path="config", config_name="tiny_cpu", version_base="1.3")  # 1.3: no chdir
+    @hydra.main(config_path="config", config_name="shapes_cpu", version_base="1.3")  # 1.3: no chdir
     def entry(cfg) -> None:
         from verl_diffusion.trainer.reward_health import RewardBudgetExceeded
         from verl_diffusion.trainer.run_dir import RunDirError
         from verl_diffusion.trainer.signals import StopRequested
+        from verl_diffusion.trainer.validation import validation_gain_line
 
         try:
             summary = run_flowgrpo(cfg)
@@ -409,6 +411,9 @@ def _hydra_main():
             first = sum(x["reward/mean"] for x in h[:k]) / k
             last = sum(x["reward/mean"] for x in h[-k:]) / k
             print(f"reward: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+        gain = validation_gain_line(summary.get("val_history") or [])
+        if gain:
+            print(gain)
         for key in ("reward_curve", "before_after", "metrics"):
             if key in summary:
                 print(f"{key}: {summary[key]}")

@@ -72,6 +72,21 @@ def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, s
     return path
 
 
+def validation_gain_line(val_history: Sequence[dict]) -> Optional[str]:
+    """The end-of-run line comparing the first and the last validation (same prompts and noise): the mean reward and
+    every overall strict accuracy a reward reports (``val/<reward>/strict``), each with its change; None with fewer
+    than two validations."""
+    if len(val_history) < 2:
+        return None
+    first, last = val_history[0], val_history[-1]
+    parts = [f"validation step {first['step']} -> {last['step']}: reward {first['val/reward_mean']:.4f} -> "
+             f"{last['val/reward_mean']:.4f} ({last['val/reward_mean'] - first['val/reward_mean']:+.4f})"]
+    for key in sorted(k for k in first if k.startswith("val/") and k.endswith("/strict") and k in last):
+        a, b = first[key], last[key]
+        parts.append(f"{key[len('val/'):]} {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} points)")
+    return " | ".join(parts)
+
+
 def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str, *,
                       val_steps: Sequence[int] = (), val_rewards: Sequence[float] = (),
                       val_accuracy: Sequence[float] = (), accuracy_label: str = "validation strict accuracy") -> str:
