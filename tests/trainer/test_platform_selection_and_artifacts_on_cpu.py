@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import verl_diffusion.main_flowgrpo as mf
-from verl_diffusion.trainer.validation import image_grid, log_images, save_before_after, save_reward_curve
+from verl_diffusion.trainer.validation import (
+    image_grid, log_images, save_before_after, save_reward_curve, validation_gain_line,
+)
 
 
 def test_cpu_only_host_selects_cpu(monkeypatch):
@@ -69,6 +71,15 @@ def test_before_after_wraps_into_before_above_after_chunks(tmp_path):
         x = margin + 2 + col * 10
         assert (a[y:y + 8, x:x + 8] == before[i].permute(1, 2, 0).numpy()).all()
         assert (a[y + row_h:y + row_h + 8, x:x + 8] == after[i].permute(1, 2, 0).numpy()).all()
+
+
+def test_validation_gain_line():
+    """First vs last validation (intermediate ones ignored), reward and each overall strict accuracy with its change."""
+    first = {"step": 0, "val/reward_mean": 0.4766, "val/shapes/strict": 0.28125, "val/shapes/mean": 0.4766}
+    last = {"step": 40, "val/reward_mean": 0.5990, "val/shapes/strict": 0.36458, "val/shapes/mean": 0.5990}
+    assert validation_gain_line([first]) is None
+    assert validation_gain_line([first, {"step": 20}, last]) == (
+        "validation step 0 -> 40: reward 0.4766 -> 0.5990 (+0.1224) | shapes/strict 0.281 -> 0.365 (+8.3 points)")
 
 
 def test_reward_curve_draws_the_accuracy_axis(tmp_path):
