@@ -142,8 +142,10 @@ def _composed(name: str, overrides: tuple[str, ...]) -> dict:
     return OmegaConf.to_container(compose(name, list(overrides)), resolve=False)
 
 
-def build_config(args, algo: str, setting: str, seed: int, run_root: str):
-    """The base config with the algorithm's recipe settings, this seed and setting, sized to the base's budget."""
+def build_config(args, algo: str, setting: str, seed: int, run_root: str, skip_base_eval: bool = False):
+    """The base config with the algorithm's recipe settings, this seed and setting, sized to the base's budget.
+    ``skip_base_eval``: no validation before training (the step-0 evaluation is the same for every run: the base
+    model, the ODE sampler, fixed seeds and prompts; ``run_one`` takes it from an earlier run)."""
     from omegaconf import OmegaConf, open_dict
 
     base = ["trainer.save_freq=-1", "trainer.val_before_train=true", "trainer.logger=[]"]
@@ -152,10 +154,14 @@ def build_config(args, algo: str, setting: str, seed: int, run_root: str):
     if args.data:
         base += [f"data.train_files=[{os.path.join(args.data, 'train.parquet')}]",
                  f"data.val_files=[{os.path.join(args.data, 'test.parquet')}]"]
-    if args.steps:
-        base.append(f"trainer.total_training_steps={args.steps}")
-    if args.eval_every:
-        base.append(f"trainer.test_freq={args.eval_every}")
+    steps = (args.multi_steps or args.steps) if setting == "multi" else args.steps
+    eval_every = (args.multi_eval_every or args.eval_every) if setting == "multi" else args.eval_every
+    if steps:
+        base.append(f"trainer.total_training_steps={steps}")
+    if eval_every:
+        base.append(f"trainer.test_freq={eval_every}")
+    if skip_base_eval:
+        base[1] = "trainer.val_before_train=false"
     cfg = OmegaConf.create(_composed(args.config_name, tuple([*base, *args.override])))
     with open_dict(cfg):
         cfg.trainer.seed, cfg.data.seed = int(seed), int(seed)
@@ -208,16 +214,30 @@ def first_key(d: dict, keys) -> float:
     return float("nan")
 
 
-def run_one(args, algo: str, setting: str, seed: int) -> dict:
+def shared_base(rows: list[dict]) -> dict | None:
+    """The step-0 validation of a run that evaluated it itself (every such run gives the same numbers)."""
+    for r in rows:
+        if "error" not in r and not r.get("base_shared") and r.get("val_steps", [None])[0] == 0:
+            return {"strict": r["val_strict"][0], "reward": r["val_reward"][0]}
+    return None
+
+
+def run_one(args, algo: str, setting: str, seed: int, base: dict | None = None) -> dict:
+    """One training run; with ``base`` (a step-0 validation from an earlier run) it skips its own."""
     from verl_diffusion.main_flowgrpo import run_flowgrpo
 
     row = {"algorithm": algo, "setting": setting, "seed": seed}
     t0 = time.time()
     try:
-        cfg = build_config(args, algo, setting, seed, tempfile.mkdtemp(prefix=f"race_{algo}_"))
+        cfg = build_config(args, algo, setting, seed, tempfile.mkdtemp(prefix=f"race_{algo}_"),
+                           skip_base_eval=base is not None)
         rps = rollouts_per_step(cfg)
         summary = run_flowgrpo(cfg, finalize=False)
         hist = summary["history"]
+        val_history = list(summary["val_history"])
+        if base is not None and not (val_history and int(val_history[0]["step"]) == 0):
+            val_history.insert(0, {"step": 0, VAL_STRICT_KEYS[0]: base["strict"], VAL_REWARD_KEYS[0]: base["reward"]})
+            row["base_shared"] = True
         row.update(
             rollouts_per_step=rps,
             loss_mode=str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode),
@@ -229,10 +249,10 @@ def run_one(args, algo: str, setting: str, seed: int) -> dict:
             rss_gb=[float(h.get("perf/worker_max_rss_gb", math.nan)) for h in hist],
             diversity=[float(h.get("rollout/group_image_std", math.nan)) for h in hist],
             log_ratio_max=[float(h.get("actor/log_ratio_abs_max", math.nan)) for h in hist],
-            val_steps=[int(v["step"]) for v in summary["val_history"]],
-            val_strict=[first_key(v, VAL_STRICT_KEYS) for v in summary["val_history"]],
-            val_reward=[first_key(v, VAL_REWARD_KEYS) for v in summary["val_history"]],
-            val_keys=sorted({k for v in summary["val_history"] for k in v if k.startswith("val/")}),
+            val_steps=[int(v["step"]) for v in val_history],
+            val_strict=[first_key(v, VAL_STRICT_KEYS) for v in val_history],
+            val_reward=[first_key(v, VAL_REWARD_KEYS) for v in val_history],
+            val_keys=sorted({k for v in val_history for k in v if k.startswith("val/")}),
         )
     except Exception as e:  # one failed algorithm must not stop the race; its row says why
         row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
@@ -364,6 +384,13 @@ def parse_args(argv=None):
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, help="training steps per run (default: the base's)")
     ap.add_argument("--eval-every", type=int, help="validation every N steps (default: the base's test_freq)")
+    ap.add_argument("--multi-steps", type=int, help="training steps per run of the multi setting (default: --steps)")
+    ap.add_argument("--multi-eval-every", type=int, help="validation interval of the multi setting (default: --eval-every)")
+    ap.add_argument("--base-eval", choices=["once", "every"], default="once",
+                    help="validate the base model (step 0) in the first run only and share it (it is the same for "
+                         "every run: fixed prompts, seeds and ODE sampler), or in every run (default: %(default)s)")
+    ap.add_argument("--shard", default="0/1", help="K/N: run every N-th planned run from the K-th, so that N "
+                                                   "processes share one --jsonl (default: %(default)s)")
     ap.add_argument("--target", type=float, help="held-out strict accuracy target (default: base + --target-gain)")
     ap.add_argument("--target-gain", type=float, default=0.10)
     ap.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for every run")
@@ -372,7 +399,21 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "compare_algorithms.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "images" / "compare_algorithms.png"))
     ap.add_argument("--report-only", action="store_true", help="rebuild the table and curves from --jsonl")
+    ap.add_argument("--preamble", help="a markdown file whose text goes between the title and the command "
+                                       "(how the runs were made, what the table says)")
     return ap.parse_args(argv)
+
+
+def plan_runs(args, done=frozenset()) -> list[tuple[str, str, int]]:
+    """(algorithm, setting, seed) still to run, this shard's share (``--shard K/N``: every N-th from the K-th).
+    Seed-major, so that an interrupted race has every algorithm at its first seeds."""
+    plan = [(a, s, seed) for s in args.settings for seed in args.seeds
+            for a in (args.algorithms if s == "single" else [m for m in args.multi_algorithms if m in args.algorithms])
+            if (a, s, seed) not in done]
+    k, n = (int(x) for x in args.shard.split("/"))
+    if not 0 <= k < n:
+        raise SystemExit(f"--shard {args.shard}: want K/N with 0 <= K < N")
+    return plan[k::n]
 
 
 def main(argv=None) -> int:
@@ -380,13 +421,9 @@ def main(argv=None) -> int:
     from verl_diffusion.main_flowgrpo import select_platform
 
     select_platform()  # VERL_PLATFORM=cpu without an accelerator, before verl is first imported
-    rows: list[dict] = []
-    if os.path.exists(args.jsonl):
-        rows = [json.loads(ln) for ln in open(args.jsonl) if ln.strip()]
+    rows = read_rows(args.jsonl)
     done = {(r["algorithm"], r["setting"], r["seed"]) for r in rows if "error" not in r}
-    plan = [(a, s, seed) for s in args.settings for a in (args.algorithms if s == "single" else
-                                                            [m for m in args.multi_algorithms if m in args.algorithms])
-            for seed in args.seeds if (a, s, seed) not in done]
+    plan = plan_runs(args, done)
     if plan and not args.report_only:
         import ray
 
@@ -398,22 +435,22 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         try:
             for i, (algo, setting, seed) in enumerate(plan):
-                row = run_one(args, algo, setting, seed)
+                base = shared_base(read_rows(args.jsonl)) if args.base_eval == "once" else None
+                row = run_one(args, algo, setting, seed, base)
                 msg = row.get("error", "").splitlines()[0] if "error" in row else (
                     f"held-out strict {row['val_strict'][0]:.3f} -> {row['val_strict'][-1]:.3f}, "
                     f"reward {row['reward'][0]:.3f} -> {row['reward'][-1]:.3f}")
                 print(f"[{i + 1}/{len(plan)}] {algo} {setting} seed {seed} ({row['wall_s']:.0f}s): {msg}", flush=True)
-                rows = [r for r in rows if (r["algorithm"], r["setting"], r["seed"]) != (algo, setting, seed)] + [row]
-                with open(args.jsonl, "w") as f:
-                    for r in rows:
-                        f.write(json.dumps(r, default=float) + "\n")
+                rows = merge_row(args.jsonl, row)
         finally:
             ray.shutdown()
+    rows = read_rows(args.jsonl) or rows
     wanted = [r for r in rows if r["algorithm"] in args.algorithms and r["setting"] in args.settings
               and r["seed"] in args.seeds]
     text, agg = summarise(wanted, args.target_gain, args.target)
     cmd = "python benchmarks/compare_algorithms.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    doc = (f"# Algorithm race on the shapes world\n\nCommand: `{cmd.strip()}`\n\n"
+    preamble = Path(args.preamble).read_text().strip() + "\n\n" if args.preamble else ""
+    doc = (f"# Algorithm race on the shapes world\n\n{preamble}Command: `{cmd.strip()}`\n\n"
            f"Base config `{args.config_name}`{' with model ' + args.model if args.model else ''}; seeds {args.seeds}; "
            f"curves: `{_shown_path(args.png)}`.\n\n{text}")
     print(doc)
@@ -423,6 +460,28 @@ def main(argv=None) -> int:
     if args.png and agg:
         plot(agg, args.png)
     return 0 if all("error" not in r for r in wanted) else 1
+
+
+def read_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def merge_row(path: str, row: dict) -> list[dict]:
+    """Replace the row's (algorithm, setting, seed) in ``path`` under a file lock (shards share the file)."""
+    import fcntl
+
+    key = (row["algorithm"], row["setting"], row["seed"])
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = [r for r in read_rows(path) if (r["algorithm"], r["setting"], r["seed"]) != key] + [row]
+        with open(path + ".tmp", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=float) + "\n")
+        os.replace(path + ".tmp", path)
+    return rows
 
 
 def _shown_path(path: str | None) -> str:

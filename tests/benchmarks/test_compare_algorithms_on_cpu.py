@@ -48,6 +48,16 @@ def test_each_algorithm_config_validates_with_the_same_budget(race, tiny_setup):
 
     args = race.parse_args(["--model", str(tiny_setup / "model"), "--config-name", "tiny_cpu", "--data",
                             str(tiny_setup / "data"), "--reward", "shapes", "--steps", "3"])
+    base_cfg = race.build_config(args, "awm", "single", 0, str(tiny_setup / "runs" / "b"))
+    shared = race.build_config(args, "awm", "single", 0, str(tiny_setup / "runs" / "s"), skip_base_eval=True)
+    assert base_cfg.trainer.val_before_train is True and shared.trainer.val_before_train is False
+    multi_args = race.parse_args(["--model", str(tiny_setup / "model"), "--config-name", "tiny_cpu", "--data",
+                                  str(tiny_setup / "data"), "--reward", "shapes", "--steps", "3", "--eval-every", "3",
+                                  "--multi-steps", "2", "--multi-eval-every", "1", "--multi-epochs", "3"])
+    m = race.build_config(multi_args, "flow_dppo", "multi", 0, str(tiny_setup / "runs" / "m"))
+    s1 = race.build_config(multi_args, "flow_dppo", "single", 0, str(tiny_setup / "runs" / "s1"))
+    assert (m.trainer.total_training_steps, m.trainer.test_freq, m.actor_rollout_ref.actor.ppo_epochs) == (2, 1, 3)
+    assert (s1.trainer.total_training_steps, s1.trainer.test_freq, s1.actor_rollout_ref.actor.ppo_epochs) == (3, 3, 1)
     budgets = set()
     for algo in race.ALGORITHMS:
         for setting in ("single", "multi") if algo == "flow_dppo" else ("single",):
@@ -87,3 +97,24 @@ def test_package_configs_compose_as_the_base(race):
     """The default base (shapes_cpu) is a package config, not a recipe: hydra must find it as primary."""
     cfg = race.compose("flowgrpo_trainer", [])   # in verl_diffusion/config only
     assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "flow_grpo"
+
+
+def test_shards_share_one_jsonl_and_the_base_evaluation(race, tmp_path):
+    """Shards merge their rows into one file (a run's row replaced, others kept); the shared step-0 validation
+    comes only from a run that evaluated it itself."""
+    path = str(tmp_path / "race.jsonl")
+    r = lambda algo, seed, strict, **kw: {"algorithm": algo, "setting": "single", "seed": seed,  # noqa: E731
+                                          "val_steps": [0, 4], "val_strict": [strict, 0.6], "val_reward": [0.4, 0.5], **kw}
+    race.merge_row(path, r("awm", 0, 0.30, base_shared=True))
+    race.merge_row(path, r("flow_grpo", 0, 0.52))
+    race.merge_row(path, r("awm", 0, 0.52))                  # a rerun replaces its row
+    rows = race.read_rows(path)
+    assert [(x["algorithm"], x["val_strict"][0]) for x in rows] == [("flow_grpo", 0.52), ("awm", 0.52)]
+    assert race.shared_base([r("a", 0, 0.30, base_shared=True), r("b", 0, 0.52)]) == {"strict": 0.52, "reward": 0.4}
+    assert race.shared_base([r("a", 0, 0.30, base_shared=True), {**r("b", 0, 0.5), "error": "x"}]) is None
+    argv = ["--seeds", "0", "1", "2", "--algorithms", "awm", "flow_grpo", "flow_dppo", "--multi-algorithms", "flow_dppo"]
+    full = race.plan_runs(race.parse_args(argv))
+    assert len(full) == 3 * 3 + 3 and full[:3] == [("awm", "single", 0), ("flow_grpo", "single", 0), ("flow_dppo", "single", 0)]
+    shards = [race.plan_runs(race.parse_args(argv + ["--shard", f"{k}/2"])) for k in (0, 1)]
+    assert sorted(shards[0] + shards[1]) == sorted(full) and not set(shards[0]) & set(shards[1])
+    assert ("awm", "single", 0) not in race.plan_runs(race.parse_args(argv), done={("awm", "single", 0)})
