@@ -87,6 +87,7 @@ ALGO_KEYS = (
 )
 VAL_STRICT_KEYS = ("val/shapes/strict", "val/strict", "val/shapes/strict_accuracy", "val/strict_accuracy")
 VAL_REWARD_KEYS = ("val/shapes/mean", "val/reward_mean")
+CLIP_KEYS = ("actor/clipfrac", "actor/dppo_mask_frac", "actor/awm_clipfrac")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,6 +250,10 @@ def run_one(args, algo: str, setting: str, seed: int, base: dict | None = None) 
             rss_gb=[float(h.get("perf/worker_max_rss_gb", math.nan)) for h in hist],
             diversity=[float(h.get("rollout/group_image_std", math.nan)) for h in hist],
             log_ratio_max=[float(h.get("actor/log_ratio_abs_max", math.nan)) for h in hist],
+            # the trust region at work: the share of samples a ratio clip or a divergence mask cut off, and the
+            # policy's drift from the rollout policy (½·mean(log ρ)²) over the epochs of a batch
+            clip_frac=[first_key(h, CLIP_KEYS) for h in hist],
+            approx_kl=[float(h.get("actor/approx_kl", math.nan)) for h in hist],
             val_steps=[int(v["step"]) for v in val_history],
             val_strict=[first_key(v, VAL_STRICT_KEYS) for v in val_history],
             val_reward=[first_key(v, VAL_REWARD_KEYS) for v in val_history],
@@ -263,11 +268,11 @@ def run_one(args, algo: str, setting: str, seed: int, base: dict | None = None) 
 # ---------------------------------------------------------------------------------------------------
 # reporting
 # ---------------------------------------------------------------------------------------------------
-def _ms(values) -> str:
+def _ms(values, fmt: str = "{:.3f}") -> str:
     v = np.asarray([x for x in values if np.isfinite(x)], dtype=np.float64)
     if v.size == 0:
         return "—"
-    return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if v.size > 1 else f"{v.mean():.3f}"
+    return f"{fmt.format(v.mean())} ± {fmt.format(v.std(ddof=1))}" if v.size > 1 else fmt.format(v.mean())
 
 
 def summarise(rows: list[dict], target_gain: float, target: float | None) -> tuple[str, dict]:
@@ -290,7 +295,8 @@ def summarise(rows: list[dict], target_gain: float, target: float | None) -> tup
         lines.append(f"### Setting `{setting}` (ppo_epochs {epochs}; {rps} rollouts per step)\n")
         head = ["algorithm", "seeds"] + [f"strict @ {s * rps[0]} rollouts" for s in shown] + [
             f"reward @ {shown[-1] * rps[0] if shown else 0}", "rollouts to target (seeds reaching)", "s/step",
-            "peak RSS GB", "group diversity first→last", "max abs log-ratio", "strict drop from peak"]
+            "peak RSS GB", "group diversity first→last", "max abs log-ratio", "clipped/masked share",
+            "approx KL", "strict drop from peak"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for algo in [a for a in ALGORITHMS if any(r["algorithm"] == a for r in srows)]:
@@ -316,6 +322,10 @@ def summarise(rows: list[dict], target_gain: float, target: float | None) -> tup
             cells.append(f"{d0:.3f} → {d1:.3f}")
             lr = [np.nanmax(r.get("log_ratio_max") or [math.nan]) for r in ar]
             cells.append(_ms([x for x in lr if np.isfinite(x)]))
+            for key in ("clip_frac", "approx_kl"):  # mean over the run's steps (rows before these were kept: —)
+                vals = [np.asarray(r.get(key) or [math.nan], dtype=np.float64) for r in ar]
+                cells.append(_ms([float(np.nanmean(v)) if np.isfinite(v).any() else math.nan for v in vals],
+                                 fmt="{:.2g}"))
             # instability (e.g. ratio clipping failing over several epochs) shows as a final accuracy below the peak
             cells.append(_ms([float(np.nanmax(r["val_strict"]) - r["val_strict"][-1]) for r in ar
                               if np.isfinite(r["val_strict"]).any()]))

@@ -80,7 +80,7 @@ def test_summary_table_and_rollouts_to_target(race):
                 "steps": [1, 2, 3, 4], "reward": [0.1, 0.2, 0.3, 0.4], "train_strict": [0.0] * 4,
                 "step_s": [9.0, 1.0, 1.0, 1.0], "rss_gb": [0.5, 0.6, 0.6, 0.7], "diversity": [0.2, 0.2, 0.1, 0.1],
                 "val_steps": [0, 2, 4], "val_strict": strict, "val_reward": [0.3, 0.4, 0.5],
-                "log_ratio_max": [0.0, 0.1, 0.3, 0.2]}
+                "log_ratio_max": [0.0, 0.1, 0.3, 0.2], "clip_frac": [0.0, 0.1, 0.2, 0.3 if seed else 0.6]}
 
     rows = [row("flow_grpo", 0, [0.2, 0.3, 0.5]), row("flow_grpo", 1, [0.2, 0.3, 0.25]), row("awm", 0, [0.2, 0.4, 0.4])]
     text, agg = race.summarise(rows, target_gain=0.15, target=None)
@@ -90,7 +90,8 @@ def test_summary_table_and_rollouts_to_target(race):
     assert "128 (1/2)" in lines["flow_grpo"] and "64 (1/1)" in lines["awm"]
     assert "| 1.000 |" in lines["awm"] and "0.700" in lines["awm"]   # s/step without the first step; peak RSS
     assert "0.200 → 0.100" in lines["awm"]
-    assert lines["flow_grpo"].endswith("| 0.300 ± 0.000 | 0.025 ± 0.035 |")   # max |log ratio|; drops 0 and 0.05
+    # max |log ratio|; clipped share (run means 0.225 and 0.15); approx KL not logged; drops 0 and 0.05
+    assert lines["flow_grpo"].endswith("| 0.300 ± 0.000 | 0.19 ± 0.053 | — | 0.025 ± 0.035 |")
 
 
 def test_package_configs_compose_as_the_base(race):
