@@ -89,7 +89,8 @@ def test_summary_table_and_rollouts_to_target(race):
     assert "0.375 ± 0.177" in lines["flow_grpo"]        # strict at step 4 (128 rollouts): mean ± sd of 0.5, 0.25
     assert "128 (1/2)" in lines["flow_grpo"] and "64 (1/1)" in lines["awm"]
     assert "| 1.000 |" in lines["awm"] and "0.700" in lines["awm"]   # s/step without the first step; peak RSS
-    assert "0.200 → 0.100" in lines["awm"]
+    assert "0.200 → 0.100" in lines["awm"]             # group diversity, first and last quarter
+    assert "| 0.100 → 0.400 |" in lines["awm"]           # train reward, first and last quarter
     # max |log ratio|; clipped share (run means 0.225 and 0.15); approx KL not logged; drops 0 and 0.05
     assert lines["flow_grpo"].endswith("| 0.300 ± 0.000 | 0.19 ± 0.053 | — | 0.025 ± 0.035 |")
 
