@@ -27,7 +27,7 @@ run: setup
 	$(PY) -m verl_diffusion.main_flowgrpo $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests $(ARGS)
 
 # vllm and vllm-omni go into a second venv (--no-deps on CPU; docs/vllm_omni.md): the main suite never sees them.
 setup-vllm-omni: $(VO_VENV)/.installed
