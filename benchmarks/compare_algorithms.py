@@ -275,6 +275,14 @@ def _ms(values, fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(v.mean())} ± {fmt.format(v.std(ddof=1))}" if v.size > 1 else fmt.format(v.mean())
 
 
+def _first_last(runs: list[dict], key: str) -> str:
+    """Mean of ``key`` over the first and the last quarter of each run's steps, averaged over runs."""
+    n = lambda xs: max(1, len(xs) // 4)  # noqa: E731
+    first = np.nanmean([np.nanmean(r[key][: n(r[key])]) for r in runs])
+    last = np.nanmean([np.nanmean(r[key][-n(r[key]):]) for r in runs])
+    return f"{first:.3f} → {last:.3f}"
+
+
 def summarise(rows: list[dict], target_gain: float, target: float | None) -> tuple[str, dict]:
     """Markdown table per setting; returns (text, per-(setting, algorithm) aggregates for the plot)."""
     ok = [r for r in rows if "error" not in r]
@@ -308,12 +316,9 @@ def summarise(rows: list[dict], target_gain: float, target: float | None) -> tup
                 cells.append(_ms([r["val_reward"][r["val_steps"].index(shown[-1])] for r in ar]))
             else:
                 cells.append("—")
-            q = lambda xs, first: xs[: max(1, len(xs) // 4)] if first else xs[-max(1, len(xs) // 4):]  # noqa: E731
             # the train prompts' reward, first against last quarter of the run. Every loss of a seed draws the
             # same batches, so read it against the other rows (the batch mix moves them all), not on its own
-            t0 = np.nanmean([np.nanmean(q(r["reward"], True)) for r in ar])
-            t1 = np.nanmean([np.nanmean(q(r["reward"], False)) for r in ar])
-            cells.append(f"{t0:.3f} → {t1:.3f}")
+            cells.append(_first_last(ar, "reward"))
             reach = []
             for r in ar:
                 hit = [s for s, v in zip(r["val_steps"], r["val_strict"]) if s > 0 and np.isfinite(v) and v >= tgt]
@@ -322,12 +327,9 @@ def summarise(rows: list[dict], target_gain: float, target: float | None) -> tup
             cells.append(f"{np.mean(reach):.0f} ({len(reach)}/{len(ar)})" if reach else f"— (0/{len(ar)})")
             cells.append(_ms([float(np.nanmean(r["step_s"][1:] or r["step_s"])) for r in ar]))
             cells.append(_ms([float(np.nanmax(r["rss_gb"])) if np.isfinite(r["rss_gb"]).any() else math.nan for r in ar]))
-            d0 = np.nanmean([np.nanmean(q(r["diversity"], True)) for r in ar])
-            d1 = np.nanmean([np.nanmean(q(r["diversity"], False)) for r in ar])
-            cells.append(f"{d0:.3f} → {d1:.3f}")
+            cells.append(_first_last(ar, "diversity"))
             lr = [np.asarray(r.get("log_ratio_max") or [math.nan], dtype=np.float64) for r in ar]
-            lr = [float(np.nanmax(v)) for v in lr if np.isfinite(v).any()]
-            cells.append(_ms([x for x in lr if np.isfinite(x)]))
+            cells.append(_ms([float(np.nanmax(v)) if np.isfinite(v).any() else math.nan for v in lr]))
             for key in ("clip_frac", "approx_kl"):  # mean over the run's steps (rows before these were kept: —)
                 vals = [np.asarray(r.get(key) or [math.nan], dtype=np.float64) for r in ar]
                 cells.append(_ms([float(np.nanmean(v)) if np.isfinite(v).any() else math.nan for v in vals],
