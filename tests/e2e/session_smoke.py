@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +73,7 @@ def main(specs: list[dict]) -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": RAY_ENV})
     try:
         for spec in specs:
+            t0 = time.perf_counter()
             kind = spec["kind"]
             if kind == "recipe":
                 row, key = run_recipe(spec["case"]), spec["case"]
@@ -81,7 +83,11 @@ def main(specs: list[dict]) -> None:
                 row, key = run_tiny(spec["name"], list(spec["overrides"]), bool(spec.get("geneval"))), spec["name"]
             else:
                 raise ValueError(f"unknown case kind {kind!r}")
-            print("RESULT " + json.dumps({**row, "kind": kind, "key": key}, default=float), flush=True)
+            # the wall time of each case, so that a slow CI run says which training to shrink
+            elapsed = round(time.perf_counter() - t0, 1)
+            print(f"session case {kind} {key}: {elapsed} s", file=sys.stderr, flush=True)
+            print("RESULT " + json.dumps({**row, "kind": kind, "key": key, "elapsed_s": elapsed}, default=float),
+                  flush=True)
     finally:
         ray.shutdown()
 

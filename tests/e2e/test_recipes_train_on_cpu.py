@@ -62,5 +62,14 @@ def test_recipe_trains_two_steps_with_its_tiny_model(runs, name):
     if run["loss_mode"] == "flow_dppo":
         # Two mini-batches: the second is off-policy, so the trust-region divergence is measured and positive.
         assert all(math.isfinite(h["actor/dppo_div_max"]) for h in history) and history[0]["actor/dppo_div_max"] > 0
+    if run["loss_mode"] == "path_space":
+        # The prepare hook ran in the worker over whole groups before mini-batching: the estimator's value gradient
+        # (SPEC §7) reached the loss at every step.
+        assert all(math.isfinite(h["actor/ps_estimator_norm"]) and h["actor/ps_estimator_norm"] > 0 for h in history)
+    if run["loss_mode"] == "diffusion_nft":
+        # SPEC §8.2 through Ray (the recipe's old policy: schedule nft, type 1, θ_old samples the rollouts and gives
+        # v_old): after each step's training θ_old ← d·θ_old + (1 − d)·θ with d = 0.001·n, n = optimizer steps
+        # (2 mini-batches per step).
+        assert [h["actor/old_policy_decay"] for h in history] == pytest.approx([0.002, 0.004])
     if "trainer.test_freq=2" in extra:
         assert run["val_history"] and run["val_history"][-1]["step"] == 2
