@@ -9,6 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 VO_VENV ?= .venv-vllm-omni
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test check bench clean setup-vllm-omni test-vllm-omni
 
@@ -26,8 +27,9 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(PY) -m verl_diffusion.main_flowgrpo $(ARGS)
 
+# Two xdist workers (TEST_WORKERS=0: one process): the e2e trainings on one, the unit modules around them (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
 
 # vllm and vllm-omni go into a second venv (--no-deps on CPU; docs/vllm_omni.md): the main suite never sees them.
 setup-vllm-omni: $(VO_VENV)/.installed
