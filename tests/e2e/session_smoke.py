@@ -83,7 +83,7 @@ def main(specs: list[dict]) -> None:
                 row, key = run_tiny(spec["name"], list(spec["overrides"]), bool(spec.get("geneval"))), spec["name"]
             else:
                 raise ValueError(f"unknown case kind {kind!r}")
-            # the wall time of each case, so that a slow CI run says which training to shrink
+            # each case's wall time: in its row, and on stderr (which the e2e conftest prints when the session fails)
             elapsed = round(time.perf_counter() - t0, 1)
             print(f"session case {kind} {key}: {elapsed} s", file=sys.stderr, flush=True)
             print("RESULT " + json.dumps({**row, "kind": kind, "key": key, "elapsed_s": elapsed}, default=float),
