@@ -13,14 +13,21 @@ TEST_WORKERS ?= 2
 
 .PHONY: setup run test check bench clean setup-vllm-omni test-vllm-omni
 
+# Byte-code is compiled on first import and cached, not by pip for every module of every package at install time
+# (--no-compile below: half of a cold install's time, mostly modules no process imports). Hence the variable that
+# some images set (PYTHONDONTWRITEBYTECODE=1) is dropped for everything make starts: with it, each process
+# (pytest, Ray workers, subprocesses) would compile torch, verl and this package anew.
+unexport PYTHONDONTWRITEBYTECODE
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 setup: $(VENV)/.installed
 
 # Torch goes in first and alone: a bare `torch` requirement resolved later would pull a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) "$(TORCH)"
+	$(PIP_INSTALL) -e ".[test]"
 	$(PY) -m verl_diffusion.check
 	touch $@
 

@@ -17,10 +17,12 @@
 #     bash scripts/setup_vllm_omni_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE   # the import check below caches the byte-code of what the tests import
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv-vllm-omni}"
 PY="$VENV/bin/python"
-PIP="$PY -m pip install -q"
+# --no-compile: modules are byte-compiled when first imported (the Makefile drops PYTHONDONTWRITEBYTECODE for that)
+PIP="$PY -m pip install -q --no-compile"
 # Overridable to try another release (docs/vllm_omni.md, "Versions"); the defaults are the pinned combination.
 VLLM_OMNI_VERSION="${VLLM_OMNI_VERSION:-0.28.0}"
 VLLM_VERSION="${VLLM_VERSION:-0.28.0}"

@@ -233,3 +233,40 @@ def test_awm_off_policy_reads_the_pre_update_velocity_through_the_engine_glue():
     with pytest.raises(ValueError, match="OLD_VELOCITY_FRESH"):
         get_loss_spec("awm").fn(StepQuantities(velocity=x_t), StepBatch(advantages=st["advantages"], x0=x0,
                                                                         noise=eps, t=st["t"]), off.cfg)
+
+
+def test_fresh_old_velocity_forwards_only_the_trained_items():
+    """Per-sample step subsets (train_step_fraction): v_old is computed for the rows trained at each step, so the
+    no-grad forwards cover exactly the trained items (not every row at every step of the union), with the values a
+    whole-batch forward gives there and zeros elsewhere; the loss is unchanged."""
+    from verl_diffusion.algos import sde
+    from verl_diffusion.trainer.train_masks import subsample_train_steps
+    from verl_diffusion.workers.step_loss import PREP_PREFIX, make_step_loss, prepare_steps, run_step_loss
+
+    off = make_step_loss("awm", {"kl_coef": 0.0, "off_policy": True})
+    B, N = 8, 5
+    g = torch.Generator().manual_seed(3)
+    mask = subsample_train_steps(torch.ones(B, N, dtype=torch.int32), 0.4, generator=g)
+    union = int(mask.any(dim=0).sum())
+    assert int(mask.sum()) == 2 * B and union >= 4
+    rows = {"all_latents": torch.randn(B, N + 1, 2, 3, generator=g),
+            "sigmas": sde.make_grid(N, 3.0, dtype=torch.float32).expand(B, N + 1).clone(), "train_mask": mask,
+            "advantages": torch.randn(B, generator=g)[:, None] * mask, "cond": torch.randn(B, 1, 1, generator=g)}
+    seen = []
+
+    def vfn(x, t, r):
+        seen.append(x.shape[0])
+        return 0.9 * x + r["cond"] * t[:, None, None]
+
+    prep = prepare_steps(off, rows, velocity_fn=vfn, generator=torch.Generator().manual_seed(4))
+    assert sum(seen) == int(mask.sum()) == 16 < B * union               # not every row at every step of the union
+    x_t, v_old = prep[PREP_PREFIX + "x_t"], prep[PREP_PREFIX + "fresh_old_velocity"]
+    t = rows["sigmas"][:, :N]
+    whole = 0.9 * x_t + rows["cond"][:, None] * t[:, :, None, None]
+    m = mask.bool()
+    torch.testing.assert_close(v_old[m], whole[m])
+    assert bool((v_old[~m] == 0).all())
+    rows.update(prep)
+    for k in torch.nonzero(mask.any(dim=0)).flatten().tolist():
+        out, n, _, _ = run_step_loss(off, rows, k, velocity_fn=vfn)
+        assert n == int(mask[:, k].sum()) and out.metrics["actor/awm_ratio_mean"] == pytest.approx(1.0, abs=1e-6)

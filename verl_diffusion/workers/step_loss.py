@@ -198,10 +198,12 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
 
     * ``forward_noising`` losses: fresh states x_t = (1 − t)·x0 + t·ε at each trained step's grid time;
     * ``OLD_VELOCITY_FRESH``: v_old at those states with the weights in the module, no grad (the worker swaps θ_old
-      in when ``actor.old_policy`` keeps a soft copy, else these are the pre-update weights);
+      in when ``actor.old_policy`` keeps a soft copy, else these are the pre-update weights), for the rows trained
+      at each step (every row when the loss has a ``prepare`` hook, whose pool is the whole group);
     * the loss's ``prepare`` hook (e.g. path-space ĝ), once per trained step, complete groups.
 
-    Returns new ``prep/<name>`` tensors [B, N, *] (zeros at untrained steps) to add to the batch.
+    Returns new ``prep/<name>`` tensors [B, N, *] (zeros at untrained steps, and for v_old at untrained items) to
+    add to the batch.
     """
     spec = loss.spec
     steps = trained_steps(rows["train_mask"])
@@ -242,8 +244,21 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
         if need_old:
             if velocity_fn is None:
                 raise ValueError(f"loss {loss.name!r} needs OLD_VELOCITY_FRESH but no velocity_fn was given")
+            # Only the rows trained at k need v_old (the loss reads no other), unless a prepare hook pools whole
+            # groups: per-sample step subsets (train_step_fraction 0.4 over 10 steps) would otherwise forward
+            # 2.5x the rows the loss trains.
+            idx = None if spec.prepare is not None else rows_trained_at(rows, k)
+            if idx is not None and idx.numel() == 0:
+                continue
             with torch.no_grad():
-                v_old = velocity_fn(st["x_t"], st["t"], rows)
+                sub = select_rows(rows, idx)
+                v_sub = velocity_fn(st["x_t"] if idx is None else st["x_t"][idx],
+                                    st["t"] if idx is None else st["t"][idx], sub)
+            if idx is None:
+                v_old = v_sub
+            else:
+                v_old = torch.zeros((B,) + tuple(v_sub.shape[1:]), dtype=v_sub.dtype)
+                v_old[idx] = v_sub
             st["fresh_old_velocity"] = v_old
             put(PREP_PREFIX + "fresh_old_velocity", k, v_old)
         if spec.prepare is not None:
