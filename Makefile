@@ -19,15 +19,22 @@ TEST_WORKERS ?= 2
 # (pytest, Ray workers, subprocesses) would compile torch, verl and this package anew.
 unexport PYTHONDONTWRITEBYTECODE
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
+# The package and its ~100 dependencies go in with uv (parallel downloads: 15 s where pip takes 75 s, the same
+# versions), pip when uv fails. uv keeps no cache when pip is told to keep none.
+UV_INSTALL := $(VENV)/bin/uv pip install -q --python $(PY)
+ifneq ($(PIP_NO_CACHE_DIR),)
+export UV_NO_CACHE := 1
+endif
 
 setup: $(VENV)/.installed
 
-# Torch goes in first and alone: a bare `torch` requirement resolved later would pull a CUDA build.
+# Torch goes in first and alone (pip: it reads pip's configuration, where a local CPU wheel may be): a bare `torch`
+# requirement resolved later would pull a CUDA build; the later install names the same torch, so it stays.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip
-	$(PIP_INSTALL) "$(TORCH)"
-	$(PIP_INSTALL) -e ".[test]"
+	$(PIP_INSTALL) "$(TORCH)" uv
+	$(UV_INSTALL) "$(TORCH)" -e ".[test]" || $(PIP_INSTALL) -e ".[test]"
 	$(PY) -m verl_diffusion.check
 	touch $@
 

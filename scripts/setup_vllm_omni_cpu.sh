@@ -33,20 +33,23 @@ printf '%s\n' "torch==2.13.0" "transformers>=5.10.1,<5.11" "diffusers==0.40.0" "
 
 "$PYTHON" -m venv "$VENV"
 $PIP --upgrade pip
-$PIP "torch==2.13.0"                        # CPU torch first and alone, as in the Makefile
-$PIP -c "$PINS" -e ".[test]"
-$PIP --no-deps "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_OMNI_VERSION"
+$PIP "torch==2.13.0" uv                     # CPU torch first and alone, as in the Makefile
+# The rest with uv, as in the Makefile (parallel downloads), pip when uv fails; no uv cache when pip keeps none.
+if [ -n "${PIP_NO_CACHE_DIR:-}" ]; then export UV_NO_CACHE=1; fi
+install() { "$VENV/bin/uv" pip install -q --python "$PY" "$@" || $PIP "$@"; }
+install -c "$PINS" -e ".[test]"
+install --no-deps "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_OMNI_VERSION"
 # Imported at module level by vllm / vllm-omni's diffusion stack; wheels with no CUDA code.
-$PIP -c "$PINS" "aenum==3.1.16" "cbor2" "openai-harmony" "openai" "pybase64" "uvloop" "py-cpuinfo" "tiktoken" \
+install -c "$PINS" "aenum==3.1.16" "cbor2" "openai-harmony" "openai" "pybase64" "uvloop" "py-cpuinfo" "tiktoken" \
     "loguru" "prettytable" "einops" "janus" "accelerate==1.12.0" "msgspec" "pyzmq" "blake3" "gguf" \
     "partial-json-parser" "lark==1.2.2"
 # Their own dependencies are GPU builds (triton, CUDA toolkits): only the Python packages.
-$PIP --no-deps "xgrammar<1.0.0,>=0.2.1" "llguidance<1.8.0,>=1.7.0" "cache-dit==1.5.0" "outlines_core==0.2.14" \
+install --no-deps "xgrammar<1.0.0,>=0.2.1" "llguidance<1.8.0,>=1.7.0" "cache-dit==1.5.0" "outlines_core==0.2.14" \
     "apache-tvm-ffi==0.1.11"
 # CUDA-linked wheels that a dependency (verl[verl-core]) brings and that fail to load next to CPU torch; vllm
 # guards both imports (ImportError), so without them its modules load.
 "$PY" -m pip uninstall -q -y torchvision torchcodec 2>/dev/null || true
-if [ -n "$TRANSFORMERS_OVERRIDE" ]; then $PIP --no-deps "$TRANSFORMERS_OVERRIDE"; fi
+if [ -n "$TRANSFORMERS_OVERRIDE" ]; then install --no-deps "$TRANSFORMERS_OVERRIDE"; fi
 # What the CPU tests need: registry, loader, data classes, request batch, model runner, engine. The worker layer and
 # AsyncOmni import with 0.28; where they do not (0.30), the tests that need them skip with the reason.
 "$PY" - <<'PY'
