@@ -248,17 +248,12 @@ def prepare_steps(loss: DiffusionStepLoss, rows: dict, *, velocity_fn: Optional[
             # groups: per-sample step subsets (train_step_fraction 0.4 over 10 steps) would otherwise forward
             # 2.5x the rows the loss trains.
             idx = None if spec.prepare is not None else rows_trained_at(rows, k)
-            if idx is not None and idx.numel() == 0:
-                continue
             with torch.no_grad():
-                sub = select_rows(rows, idx)
-                v_sub = velocity_fn(st["x_t"] if idx is None else st["x_t"][idx],
-                                    st["t"] if idx is None else st["t"][idx], sub)
-            if idx is None:
-                v_old = v_sub
-            else:
-                v_old = torch.zeros((B,) + tuple(v_sub.shape[1:]), dtype=v_sub.dtype)
-                v_old[idx] = v_sub
+                if idx is None:
+                    v_old = velocity_fn(st["x_t"], st["t"], rows)
+                else:
+                    v_old = torch.zeros_like(st["x_t"])
+                    v_old[idx] = velocity_fn(st["x_t"][idx], st["t"][idx], select_rows(rows, idx))
             st["fresh_old_velocity"] = v_old
             put(PREP_PREFIX + "fresh_old_velocity", k, v_old)
         if spec.prepare is not None:
