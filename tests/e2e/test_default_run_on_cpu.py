@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from verl_diffusion.trainer.validation import paired_standard_error
+
 # The default run (shapes_cpu), shortened: validations at step 0 and DEFAULT_STEPS only.
 DEFAULT_STEPS = int(os.environ.get("VD_E2E_DEFAULT_STEPS", "20"))
 # Held-out gains asked for at step 20 (the 3 measured seeds: +3.8 to +5.9 points, reward +0.019 to +0.043).
@@ -58,7 +60,16 @@ def test_default_run_raises_heldout_accuracy(default_run):
     assert b - a >= MIN_STRICT_GAIN and rb - ra >= MIN_REWARD_GAIN, (a, b, ra, rb)
     for step, r in ((0, val[0]), (DEFAULT_STEPS, val[-1])):
         assert f"validation step {step} | reward {r['val/reward_mean']:.4f} | shapes/strict {r['val/shapes/strict']:.3f}" in out
-    assert f"shapes/strict {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} points)" in out
+    # The per-image scores of both validations (validation/step_*.jsonl): their means are the logged accuracies, and
+    # the gain line carries their paired standard error.
+    scores = [[json.loads(line) for line in open(run_dir / "validation" / f"step_{s:05d}.jsonl")] for s in (0, DEFAULT_STEPS)]
+    n = int(val[0]["val/num_images"])
+    assert [len(x) for x in scores] == [n, n] and [x["seed"] for x in scores[0]] == list(range(n))
+    assert [x["prompt"] for x in scores[0]] == [x["prompt"] for x in scores[1]]
+    for rows_s, v in zip(scores, (val[0], val[-1])):
+        assert sum(x["shapes/strict"] for x in rows_s) / n == pytest.approx(v["val/shapes/strict"])
+    se = paired_standard_error([x["shapes/strict"] for x in scores[0]], [x["shapes/strict"] for x in scores[1]])
+    assert f"shapes/strict {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} ± {100 * se:.1f} points)" in out
     for name in ("reward_curve.png", "before_after.png"):
         assert os.path.isfile(run_dir / name) and f"{run_dir / name}" in out
 

@@ -7,7 +7,8 @@ import torch
 
 import verl_diffusion.main_flowgrpo as mf
 from verl_diffusion.trainer.validation import (
-    image_grid, log_images, save_before_after, save_reward_curve, validation_gain_line,
+    image_grid, log_images, paired_standard_error, save_before_after, save_reward_curve, validation_gain_line,
+    write_validation_scores,
 )
 
 
@@ -80,6 +81,36 @@ def test_validation_gain_line():
     assert validation_gain_line([first]) is None
     assert validation_gain_line([first, {"step": 20}, last]) == (
         "validation step 0 -> 40: reward 0.4766 -> 0.5990 (+0.1224) | shapes/strict 0.281 -> 0.365 (+8.3 points)")
+
+
+def test_validation_gain_line_paired_standard_error():
+    """With per-image values in both validations, each change carries sd(after_i − before_i)/sqrt(n): here 4 images,
+    strict 0/1/1/0 -> 1/1/1/0 (differences 1, 0, 0, 0: sd 0.5, s.e. 0.25 = 25 points); reward differences 0.2, 0.1,
+    0, -0.1 (sd 0.1291, s.e. 0.0645)."""
+    first = {"step": 0, "val/reward_mean": 0.5, "val/shapes/strict": 0.5,
+             "per_image": {"val/reward_mean": [0.2, 0.9, 0.8, 0.1], "val/shapes/strict": [0, 1, 1, 0]}}
+    last = {"step": 20, "val/reward_mean": 0.55, "val/shapes/strict": 0.75,
+            "per_image": {"val/reward_mean": [0.4, 1.0, 0.8, 0.0], "val/shapes/strict": [1, 1, 1, 0]}}
+    assert paired_standard_error([0, 1, 1, 0], [1, 1, 1, 0]) == pytest.approx(0.25)
+    assert paired_standard_error([0.2, 0.9, 0.8, 0.1], [0.4, 1.0, 0.8, 0.0]) == pytest.approx(0.1290994 / 2)
+    assert paired_standard_error([1.0], [0.0]) is None and paired_standard_error([1.0, 0.0], [1.0]) is None
+    assert validation_gain_line([first, last]) == (
+        "validation step 0 -> 20: reward 0.5000 -> 0.5500 (+0.0500 ± 0.0645) | shapes/strict 0.500 -> 0.750 "
+        "(+25.0 ± 25.0 points) (± paired standard error over the 4 validation images)")
+
+
+def test_validation_scores_file(tmp_path):
+    """One JSON line per validation image: prompt, seed, reward and the reward's per-image details (NaN -> null)."""
+    import json
+
+    nan = float("nan")
+    path = write_validation_scores(str(tmp_path / "v" / "step_00020.jsonl"), ["a circle", "a red square"], [0, 1],
+                                   torch.tensor([1.0, 0.25]), {"shapes/strict": torch.tensor([1.0, 0.0]),
+                                                               "shapes/strict/colors": torch.tensor([nan, 0.0])})
+    rows = [json.loads(line) for line in open(path)]
+    assert rows == [{"prompt": "a circle", "seed": 0, "reward": 1.0, "shapes/strict": 1.0, "shapes/strict/colors": None},
+                    {"prompt": "a red square", "seed": 1, "reward": 0.25, "shapes/strict": 0.0,
+                     "shapes/strict/colors": 0.0}]
 
 
 def test_reward_curve_draws_the_accuracy_axis(tmp_path):

@@ -55,7 +55,7 @@ from verl_diffusion.trainer.reward_health import (
     RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
 from verl_diffusion.trainer.run_dir import BASELINE_NAME, METRICS_NAME, MetricsLog, RunDirError, write_run_state
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
-from verl_diffusion.trainer.validation import log_images, save_grid
+from verl_diffusion.trainer.validation import log_images, save_grid, write_validation_scores
 
 METADATA_KEYS = ("reward_model", "extra_info", "data_source")
 
@@ -537,7 +537,12 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         metrics = {"val/reward_mean": float(res.scores.float().mean()), "val/num_images": float(len(prompts))}
         metrics.update({"val/" + k[len("reward/"):]: float(v) for k, v in (res.metrics or {}).items()
                         if k.startswith("reward/") and isinstance(v, (int, float))})
-        self.val_history.append({"step": step, **metrics, "grid": path})
+        per_image = {"val/reward_mean": res.scores.float().tolist()}
+        per_image.update({"val/" + k: v.float().tolist() for k, v in (res.details or {}).items()
+                          if "val/" + k in metrics})   # the overall details (e.g. shapes/strict), not per-tag NaNs
+        write_validation_scores(os.path.join(self.run_dir, "validation", f"step_{step:05d}.jsonl"), prompts, seeds,
+                                res.scores, res.details or {})
+        self.val_history.append({"step": step, **metrics, "grid": path, "per_image": per_image})
         if self.progress:
             print(validation_line(step, metrics), flush=True)
         return metrics

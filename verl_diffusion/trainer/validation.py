@@ -72,19 +72,61 @@ def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, s
     return path
 
 
+def write_validation_scores(path: str, prompts: Sequence[str], seeds: Sequence[int], scores: torch.Tensor,
+                            details: dict) -> str:
+    """One JSON line per validation image, in the grid's order: prompt, noise seed, reward and every per-image detail
+    the reward reports (e.g. ``shapes/strict``; NaN, "not applicable", becomes null). Written whole or not at all."""
+    import json
+
+    cols = {k: v.float().tolist() for k, v in details.items()}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            row = {"prompt": prompt, "seed": int(seed), "reward": float(scores[i])}
+            row.update({k: (None if math.isnan(v[i]) else v[i]) for k, v in cols.items()})
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> Optional[float]:
+    """Standard error of a validation gain, mean(after − before), when both validations scored the same images'
+    prompts and noise: sd_i(after_i − before_i) / sqrt(n) (sample sd, n − 1). It measures how far the gain on these
+    n draws can sit from the gain on the whole held-out distribution for this one trained model; the spread between
+    training seeds comes on top. None when the two lists differ in length or hold fewer than 2 values."""
+    if len(before) != len(after) or len(before) < 2:
+        return None
+    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    return float(d.std(ddof=1) / math.sqrt(len(d)))
+
+
 def validation_gain_line(val_history: Sequence[dict]) -> Optional[str]:
     """The end-of-run line comparing the first and the last validation (same prompts and noise): the mean reward and
-    every overall strict accuracy a reward reports (``val/<reward>/strict``), each with its change; None with fewer
-    than two validations."""
+    every overall strict accuracy a reward reports (``val/<reward>/strict``), each with its change, and its paired
+    standard error (:func:`paired_standard_error`) where both validations carry per-image values
+    (``per_image[key]``); None with fewer than two validations."""
     if len(val_history) < 2:
         return None
     first, last = val_history[0], val_history[-1]
-    parts = [f"validation step {first['step']} -> {last['step']}: reward {first['val/reward_mean']:.4f} -> "
-             f"{last['val/reward_mean']:.4f} ({last['val/reward_mean'] - first['val/reward_mean']:+.4f})"]
+
+    paired = []   # sizes of the validations that a standard error was computed over
+
+    def se(key: str) -> Optional[float]:
+        a, b = (first.get("per_image") or {}).get(key), (last.get("per_image") or {}).get(key)
+        out = None if a is None or b is None else paired_standard_error(a, b)
+        if out is not None:
+            paired.append(len(a))
+        return out
+
+    r0, r1, s = first["val/reward_mean"], last["val/reward_mean"], se("val/reward_mean")
+    pm = "" if s is None else f" ± {s:.4f}"
+    parts = [f"validation step {first['step']} -> {last['step']}: reward {r0:.4f} -> {r1:.4f} ({r1 - r0:+.4f}{pm})"]
     for key in sorted(k for k in first if k.startswith("val/") and k.endswith("/strict") and k in last):
-        a, b = first[key], last[key]
-        parts.append(f"{key[len('val/'):]} {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} points)")
-    return " | ".join(parts)
+        a, b, s = first[key], last[key], se(key)
+        pm = "" if s is None else f" ± {100 * s:.1f}"
+        parts.append(f"{key[len('val/'):]} {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f}{pm} points)")
+    line = " | ".join(parts)
+    return line + (f" (± paired standard error over the {paired[0]} validation images)" if paired else "")
 
 
 def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str, *,
