@@ -2,10 +2,11 @@
 on the pretrained shapes model, issue 9), shortened to ``DEFAULT_STEPS`` steps, through Ray, verl's V1 trainer,
 its worker group and colocated diffusers replicas.
 
-1. it learns: the strict accuracy and the reward of its ODE validation on the 288 held-out prompts (same prompts and
-   noise before and after) rise by at least ``MIN_STRICT_GAIN`` / ``MIN_REWARD_GAIN``, margins that every measured
-   seed clears (benchmarks/results/shapes_run.md); it prints both at every validation and their gain at the end, and
-   writes the curve and the before/after grid;
+1. it learns: the strict accuracy and the reward of its ODE validation on the 288 held-out prompts × 2 noises (the
+   same 576 images' prompts and noise before and after) rise by at least ``MIN_STRICT_GAIN`` / ``MIN_REWARD_GAIN``,
+   margins that every measured seed clears (benchmarks/results/shapes_run.md); it prints both at every validation
+   and their gain (with its paired standard error) at the end, and writes the per-image scores, the curve and the
+   before/after grid;
 2. it trains through verl's V1 trainer and colocated diffusers replicas, with no legacy-trainer line.
 
 Its own module: under ``make test`` (two xdist workers, tests/conftest.py) this training runs on one worker while
@@ -23,8 +24,10 @@ from verl_diffusion.trainer.validation import paired_standard_error
 
 # The default run (shapes_cpu), shortened: validations at step 0 and DEFAULT_STEPS only.
 DEFAULT_STEPS = int(os.environ.get("VD_E2E_DEFAULT_STEPS", "20"))
-# Held-out gains asked for at step 20 (the 3 measured seeds: +3.8 to +5.9 points, reward +0.019 to +0.043).
-MIN_STRICT_GAIN = 0.02
+# Held-out gains asked for at step 20. A run whose update does nothing scores exactly 0 (same weights, prompts and
+# noise); the measured seeds gained +3.0 to +7.3 points at step 20 (paired s.e. about 2; +3.8 to +9.4 with the
+# 288-image validation before), reward +0.026 to +0.065 (benchmarks/results/shapes_run.md).
+MIN_STRICT_GAIN = 0.01
 MIN_REWARD_GAIN = 0.005
 
 
@@ -46,14 +49,14 @@ def default_run(tmp_path_factory):
 
 
 def test_default_run_raises_heldout_accuracy(default_run):
-    """The default run is the shapes world (AWM); its ODE validation of the 288 held-out prompts (same prompts and
-    noise at step 0 and at the end) gains at least MIN_STRICT_GAIN strict accuracy and MIN_REWARD_GAIN reward; the
+    """The default run is the shapes world (AWM); its ODE validation of the 288 held-out prompts × 2 noises (same
+    prompts and noise at step 0 and at the end) gains at least MIN_STRICT_GAIN strict accuracy and MIN_REWARD_GAIN reward; the
     progress lines print both at every validation and the gain at the end; the curve and the before/after grid are
     written."""
     run_dir, rows, out = default_run
     assert [r["step"] for r in rows] == list(range(DEFAULT_STEPS + 1)) and "loss awm" in out   # row 0: validation
     val = [r for r in rows if "val/shapes/strict" in r]
-    assert [r["step"] for r in val] == [0, DEFAULT_STEPS] and all(r["val/num_images"] == 288 for r in val)
+    assert [r["step"] for r in val] == [0, DEFAULT_STEPS] and all(r["val/num_images"] == 576 for r in val)
     a, b = val[0]["val/shapes/strict"], val[-1]["val/shapes/strict"]
     ra, rb = val[0]["val/reward_mean"], val[-1]["val/reward_mean"]
     print(f"held-out strict {a:.3f} -> {b:.3f}, reward {ra:.4f} -> {rb:.4f}")
@@ -62,7 +65,8 @@ def test_default_run_raises_heldout_accuracy(default_run):
         assert f"validation step {step} | reward {r['val/reward_mean']:.4f} | shapes/strict {r['val/shapes/strict']:.3f}" in out
     # The per-image scores of both validations (validation/step_*.jsonl): their means are the logged accuracies, and
     # the gain line carries their paired standard error.
-    scores = [[json.loads(line) for line in open(run_dir / "validation" / f"step_{s:05d}.jsonl")] for s in (0, DEFAULT_STEPS)]
+    scores = [[json.loads(line) for line in open(run_dir / "validation" / f"step_{s:05d}.jsonl")]
+              for s in (0, DEFAULT_STEPS)]
     n = int(val[0]["val/num_images"])
     assert [len(x) for x in scores] == [n, n] and [x["seed"] for x in scores[0]] == list(range(n))
     assert [x["prompt"] for x in scores[0]] == [x["prompt"] for x in scores[1]]
