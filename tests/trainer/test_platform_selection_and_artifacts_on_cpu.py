@@ -108,7 +108,8 @@ def test_validation_scores_file(tmp_path):
                                    torch.tensor([1.0, 0.25]), {"shapes/strict": torch.tensor([1.0, 0.0]),
                                                                "shapes/strict/colors": torch.tensor([nan, 0.0])})
     rows = [json.loads(line) for line in open(path)]
-    assert rows == [{"prompt": "a circle", "seed": 0, "reward": 1.0, "shapes/strict": 1.0, "shapes/strict/colors": None},
+    assert rows == [{"prompt": "a circle", "seed": 0, "reward": 1.0, "shapes/strict": 1.0,
+                     "shapes/strict/colors": None},
                     {"prompt": "a red square", "seed": 1, "reward": 0.25, "shapes/strict": 0.0,
                      "shapes/strict/colors": 0.0}]
 
