@@ -94,6 +94,8 @@ def test_validation_gain_line_paired_standard_error():
     assert paired_standard_error([0, 1, 1, 0], [1, 1, 1, 0]) == pytest.approx(0.25)
     assert paired_standard_error([0.2, 0.9, 0.8, 0.1], [0.4, 1.0, 0.8, 0.0]) == pytest.approx(0.1290994 / 2)
     assert paired_standard_error([1.0], [0.0]) is None and paired_standard_error([1.0, 0.0], [1.0]) is None
+    nan = float("nan")   # a failed image's pair is left out
+    assert paired_standard_error([0, 1, 1, 0, nan], [1, 1, 1, 0, 1]) == pytest.approx(0.25)
     assert validation_gain_line([first, last]) == (
         "validation step 0 -> 20: reward 0.5000 -> 0.5500 (+0.0500 ± 0.0645) | shapes/strict 0.500 -> 0.750 "
         "(+25.0 ± 25.0 points) (± paired standard error over the 4 validation images)")

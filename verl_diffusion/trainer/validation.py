@@ -93,11 +93,13 @@ def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> Op
     """Standard error of a validation gain, mean(after − before), when both validations scored the same images'
     prompts and noise: sd_i(after_i − before_i) / sqrt(n) (sample sd, n − 1). It measures how far the gain on these
     n draws can sit from the gain on the whole held-out distribution for this one trained model; the spread between
-    training seeds comes on top. None when the two lists differ in length or hold fewer than 2 values."""
-    if len(before) != len(after) or len(before) < 2:
+    training seeds comes on top. Pairs with a NaN (an image whose reward failed) are left out. None when the two lists
+    differ in length or fewer than 2 pairs remain."""
+    if len(before) != len(after):
         return None
     d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
-    return float(d.std(ddof=1) / math.sqrt(len(d)))
+    d = d[np.isfinite(d)]
+    return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) >= 2 else None
 
 
 def validation_gain_line(val_history: Sequence[dict]) -> Optional[str]:
