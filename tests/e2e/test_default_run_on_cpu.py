@@ -52,9 +52,9 @@ def default_run(tmp_path_factory):
 
 def test_default_run_raises_heldout_accuracy(default_run):
     """The default run is the shapes world (AWM); its ODE validation of the 288 held-out prompts × 2 noises (same
-    prompts and noise at step 0 and at the end) gains at least MIN_STRICT_GAIN strict accuracy and MIN_REWARD_GAIN reward; the
-    progress lines print both at every validation and the gain at the end; the curve and the before/after grid are
-    written."""
+    prompts and noise at step 0 and at the end) gains at least MIN_STRICT_GAIN strict accuracy and MIN_REWARD_GAIN
+    reward; the progress lines print both at every validation and the gain at the end; the curve and the
+    before/after grid are written."""
     run_dir, rows, out = default_run
     assert [r["step"] for r in rows] == list(range(DEFAULT_STEPS + 1)) and "loss awm" in out   # row 0: validation
     val = [r for r in rows if "val/shapes/strict" in r]

@@ -111,16 +111,13 @@ def validation_gain_line(val_history: Sequence[dict]) -> Optional[str]:
         return None
     first, last = val_history[0], val_history[-1]
 
-    paired = []   # sizes of the validations that a standard error was computed over
+    pa, pb = first.get("per_image") or {}, last.get("per_image") or {}
 
     def se(key: str) -> Optional[float]:
-        a, b = (first.get("per_image") or {}).get(key), (last.get("per_image") or {}).get(key)
-        out = None if a is None or b is None else paired_standard_error(a, b)
-        if out is not None:
-            paired.append(len(a))
-        return out
+        return paired_standard_error(pa[key], pb[key]) if key in pa and key in pb else None
 
     r0, r1, s = first["val/reward_mean"], last["val/reward_mean"], se("val/reward_mean")
+    n_paired = len(pa["val/reward_mean"]) if s is not None else 0
     pm = "" if s is None else f" ± {s:.4f}"
     parts = [f"validation step {first['step']} -> {last['step']}: reward {r0:.4f} -> {r1:.4f} ({r1 - r0:+.4f}{pm})"]
     for key in sorted(k for k in first if k.startswith("val/") and k.endswith("/strict") and k in last):
@@ -128,7 +125,7 @@ def validation_gain_line(val_history: Sequence[dict]) -> Optional[str]:
         pm = "" if s is None else f" ± {100 * s:.1f}"
         parts.append(f"{key[len('val/'):]} {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f}{pm} points)")
     line = " | ".join(parts)
-    return line + (f" (± paired standard error over the {paired[0]} validation images)" if paired else "")
+    return line + (f" (± paired standard error over the {n_paired} validation images)" if n_paired else "")
 
 
 def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str, *,
