@@ -281,6 +281,15 @@ def plan_run_dir(cfg, run_dir: str):
         RewardFailureBudget.from_dict(t.get("reward_failure_budget", None))
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+    if bool(t.get("val_only", False)):
+        # Validation only (verl's trainer.val_only): the newest complete checkpoint when there is one, else the
+        # model at model.path; no training, and the run's metrics and state stay as they are.
+        from verl_diffusion.trainer.checkpoints import find_resume_checkpoint
+        from verl_diffusion.trainer.run_dir import RunPlan
+
+        point = find_resume_checkpoint(str(t.default_local_dir))
+        return RunPlan("validate", run_dir, str(t.default_local_dir), resume=point if point.path else None,
+                       message=point.warning() or "")
     total = t.get("total_training_steps", None)
     total = int(total) if total is not None else 10 ** 12     # epochs: the step count needs the dataloader
     try:
@@ -308,9 +317,11 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
         reward_fn = build_reward_fn(cfg)
     except ValueError as e:
         raise ConfigError(f"reward: {e}") from None
-    resume = f"resuming from {plan.resume.path}" if plan.action == "resume" else "new run"
+    resume = {"resume": f"resuming from {plan.resume.path}" if plan.resume else "",
+              "validate": "validation only, of " + (plan.resume.path if plan.resume else str(
+                  cfg.actor_rollout_ref.model.path))}.get(plan.action, "new run")
     print(f"run dir: {run_dir} ({resume}; checkpoints in {cfg.trainer.default_local_dir})", flush=True)
-    if plan.message and plan.action == "resume":
+    if plan.message and plan.action in ("resume", "validate"):
         print(f"WARNING: {plan.message}", flush=True)
     try:  # remote rewards answer before the first step (one line naming the URL otherwise)
         from verl_diffusion.config_checks import preflight_remote_rewards
@@ -324,6 +335,7 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     from verl.trainer.ppo.v1 import get_trainer_cls
 
     import verl_diffusion.trainer.async_trainer  # noqa: F401  (registers diffusion_sync and diffusion_async)
+    from verl_diffusion.trainer.checkpoints import ResumePoint
 
     with open_dict(cfg):
         cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")
@@ -347,11 +359,11 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     trainer = None
     try:
         trainer = get_trainer_cls(str(cfg.trainer.v1.trainer_mode))(config=cfg, reward_fn=reward_fn, run_dir=run_dir)
-        trainer.resume_point = plan.resume
+        trainer.resume_point = plan.resume if plan.resume is not None else ResumePoint(None, None)
         trainer.init()          # verl V1: _setup, then on_init_end (the first weight sync)
         history = trainer.fit()
         summary = {"run_dir": run_dir, "history": history, "val_history": trainer.val_history,
-                   "worker_info": dict(getattr(trainer, "worker_info", {}) or {})}
+                   "worker_info": dict(getattr(trainer, "worker_info", {}) or {}), "model": trainer.exported_model}
         if finalize:
             summary.update(trainer.refresh_artifacts())
         return summary
@@ -417,6 +429,8 @@ def _hydra_main():
         for key in ("reward_curve", "before_after", "metrics"):
             if key in summary:
                 print(f"{key}: {summary[key]}")
+        if summary.get("model"):
+            print(f"model: {summary['model']} (stock diffusers loads it: {summary['model']}/README.md)")
         print(f"run dir: {summary['run_dir']}")
 
     entry()

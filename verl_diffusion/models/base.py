@@ -404,3 +404,31 @@ def pipeline_class_name(path: Union[str, Path]) -> str:
             f"model path {str(path)!r} has no model_index.json; pass a local diffusers pipeline directory "
             "(save_pretrained output, or one of verl_diffusion.models.tiny's save_tiny_* builders)")
     return str(json.loads(index.read_text()).get("_class_name"))
+
+
+def transformer_class(path: Union[str, Path], subfolder: str = "transformer"):
+    """The diffusers model class named in ``<path>/<subfolder>/config.json`` (``_class_name``)."""
+    import diffusers
+
+    cfg_file = Path(path) / subfolder / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"actor_rollout_ref.model.path={str(path)!r} has no {subfolder}/config.json; "
+                                "give a diffusers pipeline folder (save_pretrained output)")
+    name = json.loads(cfg_file.read_text()).get("_class_name", "SD3Transformer2DModel")
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise ValueError(f"{cfg_file} names _class_name={name!r}, which diffusers does not export")
+    return cls
+
+
+def transformer_weight_files(path: Union[str, Path], subfolder: str = "transformer") -> list[str]:
+    """The safetensors files of a pipeline folder's transformer (one file, or the shards its index lists)."""
+    folder = Path(path) / subfolder
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        shards = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
+        return [str(folder / s) for s in shards]
+    files = sorted(str(f) for f in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no .safetensors weights")
+    return files

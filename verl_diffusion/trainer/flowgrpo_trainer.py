@@ -30,6 +30,7 @@ Replaced, and why:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Optional
@@ -48,7 +49,8 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_diffusion.trainer.checkpoints import (
-    MANIFEST_NAME, ResumePoint, find_resume_checkpoint, list_step_dirs, step_dir, write_manifest, write_tracker)
+    MANIFEST_NAME, ResumePoint, atomic_write_text, find_resume_checkpoint, list_step_dirs, step_dir, write_manifest,
+    write_tracker)
 from verl_diffusion.trainer.dataset import EpochShuffleSampler, PromptDataset, collate_prompts
 from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.reward_health import (
@@ -58,6 +60,7 @@ from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.validation import log_images, save_grid, write_validation_scores
 
 METADATA_KEYS = ("reward_model", "extra_info", "data_source")
+MODEL_INFO_NAME = "model_info.json"   # beside a checkpoint's actor/: what python -m verl_diffusion.export reads
 
 
 def row_metadata(non_tensor: dict, n: int) -> list[dict]:
@@ -137,6 +140,8 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.reward_health = RewardHealth(RewardFailureBudget.from_dict(
             config.trainer.get("reward_failure_budget", None)))
         self._saved_step: Optional[int] = None
+        self._exported_step: Optional[int] = None
+        self.exported_model: Optional[str] = None
         self.global_steps = 0
         self.rollout_replicas: list = []
         self.curr_step_profile = False
@@ -241,6 +246,8 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.actor_rollout_wg.save_checkpoint(os.path.join(folder, "actor"), remote, step, max_ckpt_to_keep=keep)
         os.makedirs(folder, exist_ok=True)
         torch.save(self.train_dataloader.state_dict(), os.path.join(folder, "data.pt"))
+        atomic_write_text(os.path.join(folder, MODEL_INFO_NAME), json.dumps(self.model_info(step), indent=1,
+                                                                               default=str))
         write_manifest(folder)
         write_tracker(ckpt_dir, step)
         for old in list_step_dirs(ckpt_dir):
@@ -252,6 +259,53 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self._saved_step = step
         if self.progress:
             print(f"checkpoint: {folder}", flush=True)
+        self.export_model(step)
+
+    # ------------------------------------------------------------------ the trained model
+
+    def model_info(self, step: int) -> dict:
+        """What a checkpoint (``model_info.json``) and an exported model (``export_info.json``) say about the
+        weights: the base model, the LoRA settings, the algorithm and reward, the latest validation, and the
+        sampling settings of the validation (what ``python -m verl_diffusion.sample`` reuses)."""
+        from verl_diffusion.workers.worker import diffusion_model_config
+
+        a = self.config.actor_rollout_ref
+        lora = None
+        if self.worker_info.get("lora"):
+            mc = diffusion_model_config(a.model, lora=True)
+            targets = mc.target_modules
+            lora = {"rank": int(mc.lora_rank), "alpha": float(mc.lora_alpha),
+                    "target_modules": targets if isinstance(targets, str) else [str(t) for t in targets]}
+        r = a.rollout
+        val = self.val_history[-1] if self.val_history else {}
+        export = self.config.trainer.get("export", None) or {}
+        return {"base_model": str(a.model.path), "architecture": self.worker_info.get("architecture"),
+                "lora": lora, "step": int(step), "experiment": str(self.config.trainer.experiment_name),
+                "algorithm": f"{a.actor.policy_loss.loss_mode} ({self.config.algorithm.adv_estimator} advantages)",
+                "reward": OmegaConf.to_container(self.config.reward.components, resolve=True),
+                "ema": bool((a.actor.get("ema", None) or {}).get("enable", False)),
+                "merge_lora": bool(export.get("merge_lora", False)),
+                "validation": {k: v for k, v in val.items() if k == "step" or (k.startswith("val/") and isinstance(
+                    v, float) and (k == "val/reward_mean" or k.endswith("/strict")))},
+                "sampling": {"sampler": "ode", "num_steps": int(r.get("val_num_steps", 40)),
+                             "resolution": int(r.get("resolution", 512)),
+                             "guidance_scale": float(r.get("guidance_scale", 1.0)),
+                             "negative_prompt": str(r.get("negative_prompt", "") or ""),
+                             "grid": str(r.get("grid", "scheduler")), "shift": float(r.get("shift", 3.0)),
+                             "val_files": [str(f) for f in self.config.data.val_files],
+                             "num_images": int(self.config.trainer.get("val_num_images", 0) or 0)}}
+
+    def export_model(self, step: int) -> Optional[str]:
+        """The weights of ``step`` into ``<run_dir>/model`` in a format stock diffusers loads (workers gather the
+        shards, rank 0 writes; export/writer.py), unless ``trainer.export.enable`` is off or it is there already."""
+        export = self.config.trainer.get("export", None) or {}
+        if not bool(export.get("enable", True)) or self._exported_step == step:
+            return self.exported_model
+        out = os.path.join(self.run_dir, "model")
+        paths = self.actor_rollout_wg.export_model(out, self.model_info(step))
+        self.exported_model = next((p for p in (paths if isinstance(paths, list) else [paths]) if p), out)
+        self._exported_step = step
+        return self.exported_model
 
     # ------------------------------------------------------------------ workers
 
@@ -506,7 +560,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
 
     # ------------------------------------------------------------------ validation
 
-    def _validate(self, merged: bool = False) -> dict[str, float]:
+    def _validate(self, merged: bool = False, keep_baseline: bool = True) -> dict[str, float]:
         """ODE images of the validation prompts with fixed seeds, scored with each prompt's own metadata (the
         ground truth, as in training); ``val/reward_mean`` and every reward metric as ``val/<reward>/<detail>``
         (e.g. GenEval's per-tag accuracy). A grid PNG per validation; the first validation's images are kept in
@@ -528,7 +582,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.val_images[step] = images
         path = save_grid(images, os.path.join(self.run_dir, "validation", f"step_{step:05d}.png"), scale=2)
         baseline = os.path.join(self.run_dir, BASELINE_NAME)
-        if not os.path.exists(baseline):
+        if keep_baseline and not os.path.exists(baseline):
             torch.save({"step": step, "images": images.cpu()}, baseline + ".tmp")
             os.replace(baseline + ".tmp", baseline)
         if getattr(self, "tracker", None) is not None:
@@ -589,6 +643,12 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                           default_backend=list(cfg.trainer.logger), config=OmegaConf.to_container(cfg, resolve=True))
         self.tracker = logger
         start_step = self.global_steps   # set by init()'s checkpoint load
+        if cfg.trainer.get("val_only", False):
+            metrics = self._validate(keep_baseline=False)
+            logger.log(metrics, step=start_step)
+            if hasattr(logger, "finish"):
+                logger.finish()
+            return []
         if cfg.trainer.get("val_before_train", True) and start_step == 0 and cfg.trainer.test_freq > 0:
             val0 = self._validate()
             logger.log(val0, step=0)
@@ -637,9 +697,11 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                     if last:
                         done = True
                         break
+        final = int(self.history[-1]["step"]) if self.history else start_step
+        self.export_model(final)
         if hasattr(logger, "finish"):
             logger.finish()
-        write_run_state(self.run_dir, "finished", int(self.history[-1]["step"]) if self.history else start_step)
+        write_run_state(self.run_dir, "finished", final)
         return self.history
 
     def train_step(self, batch_dict: dict, step: int) -> dict[str, float]:

@@ -38,6 +38,7 @@ with warnings.catch_warnings():
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
+from verl_diffusion.models.base import transformer_class
 from verl_diffusion.workers.step_loss import (DiffusionStepLoss, rows_trained_at, run_step_loss, select_rows,
                                               step_log_probs, step_tensors)
 
@@ -100,22 +101,6 @@ def load_transformer(path: str, subfolder: str, dtype: torch.dtype):
     return module
 
 
-def transformer_class(path: str, subfolder: str = "transformer"):
-    """The diffusers model class named in ``<path>/<subfolder>/config.json`` (``_class_name``)."""
-    import diffusers
-
-    cfg_file = os.path.join(path, subfolder, "config.json")
-    if not os.path.exists(cfg_file):
-        raise FileNotFoundError(f"actor_rollout_ref.model.path={path!r} has no {subfolder}/config.json; "
-                                "give a diffusers pipeline folder (save_pretrained output)")
-    with open(cfg_file) as f:
-        name = json.load(f).get("_class_name", "SD3Transformer2DModel")
-    cls = getattr(diffusers, name, None)
-    if cls is None:
-        raise ValueError(f"{cfg_file} names _class_name={name!r}, which diffusers does not export")
-    return cls
-
-
 @contextlib.contextmanager
 def _cpu_offload_without_pinning():
     """verl's FSDP2 forward-only path builds ``CPUOffloadPolicy(pin_memory=True)``, which needs an
@@ -139,16 +124,27 @@ def _cpu_offload_without_pinning():
 
 
 class DiffusionCheckpointManager(BaseCheckpointManager):
-    """Per-rank shards ``model/optim/extra_world_size_{W}_rank_{r}.pt`` (verl's file names), no HF parts.
+    """Per-rank shards ``model/optim/extra_world_size_{W}_rank_{r}.pt`` (verl's file names), no HF parts. With
+    ``trainable_only`` (LoRA runs) the model shards hold the trainable weights only.
 
     ``extra`` holds the LR scheduler, the RNG states and any ``extra_state_fn()`` dict (EMA).
     """
 
     def __init__(self, *args, extra_state_fn: Optional[Callable[[], dict]] = None,
-                 load_extra_state_fn: Optional[Callable[[dict], None]] = None, **kwargs):
+                 load_extra_state_fn: Optional[Callable[[dict], None]] = None, trainable_only: bool = False,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.extra_state_fn = extra_state_fn
         self.load_extra_state_fn = load_extra_state_fn
+        # LoRA runs: the frozen base is the model folder's own, reloaded at start; shards hold the adapter only.
+        self.trainable_only = trainable_only
+
+    def _model_state(self) -> dict:
+        state = self.model.state_dict()
+        if not self.trainable_only:
+            return state
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
 
     def _paths(self, local_path: str) -> tuple[str, str, str]:
         w, r = self.world_size, self.rank
@@ -166,7 +162,7 @@ class DiffusionCheckpointManager(BaseCheckpointManager):
         torch.distributed.barrier()
         model_path, optim_path, extra_path = self._paths(local_path)
         if self.should_save_model:
-            torch.save(self.model.state_dict(), model_path)
+            torch.save(self._model_state(), model_path)
         if self.should_save_optimizer and self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), optim_path)
         if self.should_save_extra:
@@ -184,7 +180,12 @@ class DiffusionCheckpointManager(BaseCheckpointManager):
             return
         model_path, optim_path, extra_path = self._paths(local_path)
         if self.should_load_model:
-            self.model.load_state_dict(torch.load(model_path, weights_only=False))
+            state = torch.load(model_path, weights_only=False)
+            missing, unexpected = self.model.load_state_dict(state, strict=not self.trainable_only)
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            if unexpected or set(missing) & trainable:
+                raise ValueError(f"{model_path} does not match the model: {len(unexpected)} unknown keys "
+                                 f"{sorted(unexpected)[:3]}, trainable weights missing {sorted(set(missing) & trainable)[:3]}")
         if self.should_load_optimizer and self.optimizer is not None and os.path.exists(optim_path):
             self.optimizer.load_state_dict(torch.load(optim_path, weights_only=False))
         if self.should_load_extra and os.path.exists(extra_path):
@@ -261,6 +262,7 @@ class DiffusersFSDPEngine(FSDPEngine):
             processing_class=None, checkpoint_config=self.checkpoint_config,
             extra_state_fn=lambda: self.extra_state_fn() if self.extra_state_fn else None,
             load_extra_state_fn=lambda s: self.load_extra_state_fn(s) if self.load_extra_state_fn else None,
+            trainable_only=bool(self._is_lora),
         )
         self.to(device="cpu", model=self._is_offload_param, optimizer=self._is_offload_optimizer,
                 grad=self._is_offload_param)

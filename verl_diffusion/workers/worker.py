@@ -497,6 +497,37 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         _reshard(self.actor.engine)
         self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_model(self, output: str, info: dict) -> Optional[str]:
+        """The trained transformer (the evaluation EMA when one is kept, as validation samples) written by rank 0
+        to ``output`` in a format stock diffusers loads (export/writer.py; ``info`` describes the run). Every rank
+        takes part in gathering the shards. Returns the path on rank 0, None elsewhere."""
+        from verl_diffusion.export.writer import write_export
+
+        engine = self.actor.engine
+        _reshard(engine)
+        with (self.ema.swap_in() if self.ema is not None else _null()):
+            state = full_state_dict(engine.module, trainable_only=bool(engine._is_lora), keep=self.rank == 0)
+            _reshard(engine)
+        if self.rank != 0:
+            return None
+        info = dict(info, weights="ema" if self.ema is not None else "trained")
+        return write_export(state, info, output, merge=bool(info.get("merge_lora", False)))
+
+
+def full_state_dict(module: torch.nn.Module, *, trainable_only: bool, keep: bool) -> dict:
+    """Whole tensors of an FSDP2 module's state dict, gathered one by one (a collective: every rank calls it, in
+    the same order); only the trainable weights with ``trainable_only``. ``keep``: return them (rank 0) or not."""
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    out = {}
+    for key, value in module.state_dict().items():
+        if trainable_only and key not in trainable:
+            continue
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if keep:
+            out[key] = full.detach().to("cpu", copy=True)
+    return out
+
 
 def _pad_text(out: dict, length: int) -> None:
     """Masked text (Qwen-Image: each rank pads to its own longest prompt) padded to ``length`` tokens in place, so
