@@ -66,7 +66,8 @@ def run_case(case: str) -> dict:
         summary = run_flowgrpo(cfg, finalize=False)
         row.update(history=summary["history"], val_history=summary["val_history"],
                    worker_info=summary["worker_info"], model_path=str(cfg.actor_rollout_ref.model.path),
-                   loss_mode=str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode))
+                   loss_mode=str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode), run_dir=summary["run_dir"],
+                   model=summary.get("model"))
     except Exception as e:   # reported by the recipe's own test
         row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
     return row

@@ -50,7 +50,8 @@ def run_tiny(name: str, overrides: list[str], geneval: bool = False) -> dict:
         with contextlib.redirect_stdout(out):
             summary = run_flowgrpo(cfg, finalize=False)
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
-            row.update(rows=[json.loads(line) for line in f], worker_info=summary["worker_info"])
+            row.update(rows=[json.loads(line) for line in f], worker_info=summary["worker_info"],
+                       run_dir=f"{tmp}/run", ckpt_dir=f"{tmp}/ckpt", model=summary.get("model"))
     except Exception as e:   # reported by the run's own test
         row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
     finally:

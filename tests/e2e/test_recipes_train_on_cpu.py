@@ -73,3 +73,8 @@ def test_recipe_trains_two_steps_with_its_tiny_model(runs, name):
         assert [h["actor/old_policy_decay"] for h in history] == pytest.approx([0.002, 0.004])
     if "trainer.test_freq=2" in extra:
         assert run["val_history"] and run["val_history"][-1]["step"] == 2
+        # The LoRA the run exported at its end, loaded by the stock pipeline on the base model, samples what the
+        # trainer's own validation sampled at step 2 (the run's only validation: validation/baseline.pt).
+        from exported_model import assert_export_samples_validation
+
+        assert_export_samples_validation(run["model"], run["run_dir"], kind="lora")

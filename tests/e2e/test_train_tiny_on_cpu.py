@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from geneval_helpers import geneval_prompts, geneval_server
@@ -181,7 +182,8 @@ SESSION_CASES = [{"kind": "tiny", "name": name, "overrides": overrides, "geneval
                      "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
                      "actor_rollout_ref.rollout.guidance_scale=4.5", "actor_rollout_ref.actor.ema.enable=true",
                      "actor_rollout_ref.actor.ema.interval=1", "actor_rollout_ref.actor.ppo_epochs=2",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", *LEARN],
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.grid=scheduler",
+                     "trainer.save_freq=2", *LEARN],
     "fault_reference": [f"trainer.total_training_steps={FULL_STEPS}", *FAULT_COMMON],
     "tempflow_branched": ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
                           "trainer.logger=[]", "data.train_batch_size=2", "actor_rollout_ref.rollout.num_steps=4",
@@ -213,6 +215,26 @@ def test_lora_cfg_ema_off_policy_through_ray(session_runs):
         assert r["actor/first_micro_log_ratio_abs_max"] == 0.0
         assert r["grad_norm"] > 0 and math.isfinite(r["loss"])
     assert "val/reward_mean" in rows[-1]
+    # The model out: the run exported its EMA LoRA into run_dir/model (diffusers' LoRA format); the stock pipeline
+    # with it samples the step-2 validation images. The checkpoint keeps the adapter only (no frozen base weights),
+    # and exporting it on the CPU (python -m verl_diffusion.export) gives the same tensors as the live export.
+    from exported_model import assert_export_samples_validation
+
+    row = session_runs[("tiny", "lora_cfg_ema")]
+    info = assert_export_samples_validation(row["model"], row["run_dir"], kind="lora")
+    assert info["weights"] == "ema" and info["lora"]["rank"] == 4 and info["lora"]["alpha"] == 8.0
+    import torch
+    from safetensors.torch import load_file
+
+    actor = Path(row["ckpt_dir"]) / "global_step_2" / "actor"
+    shard = torch.load(actor / "model_world_size_2_rank_0.pt", weights_only=False)
+    assert shard and all("lora_" in k for k in shard)
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.export", row["run_dir"], "--output",
+                          f"{row['run_dir']}/cli_export"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    live = load_file(f"{row['model']}/pytorch_lora_weights.safetensors")
+    cli = load_file(f"{row['run_dir']}/cli_export/pytorch_lora_weights.safetensors")
+    assert live.keys() == cli.keys() and all(torch.equal(live[k], cli[k]) for k in live)
 
 
 # The path-space prepare hook (whole groups, in the worker, before mini-batching) and diffusion_nft with the soft old

@@ -14,7 +14,7 @@ def stock_images(pipe, adapter, prompts, noise, *, steps: int, size: int, guidan
     cfg = guidance != 1.0
     if arch == "QwenImagePipeline":
         kw.update(latents=adapter.pack(noise), true_cfg_scale=guidance,
-                  negative_prompt=[negative_prompt or " "] * len(prompts) if cfg else None)
+                  negative_prompt=[negative_prompt] * len(prompts) if cfg else None)
     elif arch == "FluxPipeline":
         kw.update(latents=adapter.pack(noise), true_cfg_scale=guidance,
                   guidance_scale=adapter.distilled_guidance_scale,

@@ -49,29 +49,42 @@ def test_grid_curve_and_before_after(tmp_path):
     g = image_grid(imgs, cols=3, pad=2)
     assert g.shape == (12, 32, 3)
     assert (g[2:10, 2:10] == imgs[0].permute(1, 2, 0).numpy()).all()
-    assert os.path.isfile(save_before_after(imgs, imgs, str(tmp_path / "ba.png")))
+    assert os.path.isfile(save_before_after(imgs, imgs, str(tmp_path / "ba.png"), prompts=["a", "b", "c"]))
     assert os.path.isfile(save_reward_curve([1, 2], [0.1, 0.2], str(tmp_path / "c.png"), val_steps=[2],
                                             val_rewards=[0.3]))
 
 
-def test_before_after_wraps_into_before_above_after_chunks(tmp_path):
-    """40 images, 16 a row: 3 chunks, each a before row above its after row; image i of a chunk sits at the same
-    x in both rows (scale 1, 8 px images, 2 px padding, 6 px between chunks)."""
+def test_before_after_is_a_small_captioned_sheet(tmp_path):
+    """576 images of 96 prompts × 6 repeats, 32 px: 24 distinct prompts spread over the set, each cell the image
+    before (left) and after (right) as 128 px thumbnails, a green ✓ / red ✗ verdict under each; the sheet stays
+    about a screen wide whatever the validation's size."""
     import numpy as np
     from PIL import Image
 
-    before = torch.randint(0, 255, (40, 3, 8, 8), dtype=torch.uint8)
-    after = torch.randint(0, 255, (40, 3, 8, 8), dtype=torch.uint8)
-    a = np.asarray(Image.open(save_before_after(before, after, str(tmp_path / "ba.png"), scale=1, cols=16)))
-    margin = 7 * len("before") + 10
-    row_h = 8 + 2 * 2                                            # one image row of image_grid: pad + 8 + pad
-    assert a.shape == (3 * 2 * row_h + 2 * 6, margin + 16 * 10 + 2, 3)
-    for i in (0, 17, 39):                                         # first, second chunk's second, last image
-        chunk, col = divmod(i, 16)
-        y = chunk * (2 * row_h + 6) + 2
-        x = margin + 2 + col * 10
-        assert (a[y:y + 8, x:x + 8] == before[i].permute(1, 2, 0).numpy()).all()
-        assert (a[y + row_h:y + row_h + 8, x:x + 8] == after[i].permute(1, 2, 0).numpy()).all()
+    from verl_diffusion.trainer.validation import pick_examples
+
+    n = 576
+    prompts = [f"prompt number {i % 96}" for i in range(n)]
+    before = torch.randint(0, 255, (n, 3, 32, 32), dtype=torch.uint8)
+    after = torch.randint(0, 255, (n, 3, 32, 32), dtype=torch.uint8)
+    rows_b = [{"reward": 0.2, "shapes/strict": 0.0} for _ in range(n)]
+    rows_a = [{"reward": 0.9, "shapes/strict": 1.0} for _ in range(n)]
+    idx = pick_examples(prompts, 24)
+    assert len(idx) == 24 and len({prompts[i] for i in idx}) == 24 and idx[0] == 0 and idx[-1] == 95
+    a = np.asarray(Image.open(save_before_after(before, after, str(tmp_path / "ba.png"), prompts=prompts,
+                                                before_rows=rows_b, after_rows=rows_a)))
+    assert a.shape[1] <= 1100 and a.shape[0] <= 1300, a.shape     # (1262, 1090): 6 rows of 4 cells
+    # cell k=5 (row 1, col 1): thumbnails are the 32 px images upscaled ×4 (nearest)
+    gap, cell_w, thumb, text_h, head = 10, 2 * 128 + 4, 128, 3 * 16 + 18, 28
+    x, y = gap + 1 * (cell_w + gap), head + 1 * (thumb + text_h + gap)
+    i = idx[5]
+    up = lambda t: np.repeat(np.repeat(t.permute(1, 2, 0).numpy(), 4, 0), 4, 1)   # noqa: E731
+    assert (a[y:y + thumb, x:x + thumb] == up(before[i])).all()
+    assert (a[y:y + thumb, x + thumb + 4:x + 2 * thumb + 4] == up(after[i])).all()
+    verdicts = a[y + thumb:y + thumb + 18, x:x + cell_w].reshape(-1, 3).astype(int)
+    red = ((verdicts[:, 0] > 150) & (verdicts[:, 1] < 60)).sum()
+    green = ((verdicts[:, 1] > 100) & (verdicts[:, 0] < 60)).sum()
+    assert red > 10 and green > 10
 
 
 def test_validation_gain_line():

@@ -16,6 +16,9 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 ROW_KEYS = ("prompt", "negative_prompt", "data_source", "reward_model", "extra_info")
+# What the rewards read of a row (the ground truth in reward_model, extra_info, data_source), in training,
+# validation and python -m verl_diffusion.sample alike.
+METADATA_KEYS = ("reward_model", "extra_info", "data_source")
 
 
 def prompt_text(value: Any) -> str:

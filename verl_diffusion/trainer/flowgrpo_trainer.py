@@ -51,15 +51,15 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl_diffusion.trainer.checkpoints import (
     MANIFEST_NAME, ResumePoint, atomic_write_text, find_resume_checkpoint, list_step_dirs, step_dir, write_manifest,
     write_tracker)
-from verl_diffusion.trainer.dataset import EpochShuffleSampler, PromptDataset, collate_prompts
+from verl_diffusion.trainer.dataset import METADATA_KEYS, EpochShuffleSampler, PromptDataset, collate_prompts
 from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.reward_health import (
     RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
 from verl_diffusion.trainer.run_dir import BASELINE_NAME, METRICS_NAME, MetricsLog, RunDirError, write_run_state
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
-from verl_diffusion.trainer.validation import log_images, save_grid, write_validation_scores
+from verl_diffusion.trainer.validation import (
+    caption, log_images, read_validation_scores, save_grid, write_validation_scores)
 
-METADATA_KEYS = ("reward_model", "extra_info", "data_source")
 MODEL_INFO_NAME = "model_info.json"   # beside a checkpoint's actor/: what python -m verl_diffusion.export reads
 
 
@@ -585,8 +585,6 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         if keep_baseline and not os.path.exists(baseline):
             torch.save({"step": step, "images": images.cpu()}, baseline + ".tmp")
             os.replace(baseline + ".tmp", baseline)
-        if getattr(self, "tracker", None) is not None:
-            log_images(self.tracker, "val/images", images, step)
         res = self.reward_fn(images, prompts, meta)
         metrics = {"val/reward_mean": float(res.scores.float().mean()), "val/num_images": float(len(prompts))}
         metrics.update({"val/" + k[len("reward/"):]: float(v) for k, v in (res.metrics or {}).items()
@@ -594,8 +592,12 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         per_image = {"val/reward_mean": res.scores.float().tolist()}
         per_image.update({"val/" + k: v.float().tolist() for k, v in (res.details or {}).items()
                           if "val/" + k in metrics})   # the overall details (e.g. shapes/strict), not per-tag NaNs
-        write_validation_scores(os.path.join(self.run_dir, "validation", f"step_{step:05d}.jsonl"), prompts, seeds,
-                                res.scores, res.details or {})
+        scores = write_validation_scores(os.path.join(self.run_dir, "validation", f"step_{step:05d}.jsonl"), prompts,
+                                         seeds, res.scores, res.details or {})
+        if getattr(self, "tracker", None) is not None:
+            rows = read_validation_scores(scores)
+            log_images(self.tracker, "val/images", images, step,
+                       captions=[caption(p, r) for p, r in zip(prompts, rows)])
         self.val_history.append({"step": step, **metrics, "grid": path, "per_image": per_image})
         if self.progress:
             print(validation_line(step, metrics), flush=True)
@@ -624,8 +626,13 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
             first = torch.load(baseline, weights_only=True)
             last = max(self.val_images)
             if last != int(first["step"]):
+                val = os.path.join(self.run_dir, "validation")
+                rows_first = read_validation_scores(os.path.join(val, f"step_{int(first['step']):05d}.jsonl"))
+                rows_last = read_validation_scores(os.path.join(val, f"step_{last:05d}.jsonl"))
                 out["before_after"] = save_before_after(
                     first["images"], self.val_images[last], os.path.join(self.run_dir, "before_after.png"),
+                    prompts=[r["prompt"] for r in rows_last] or [""] * len(first["images"]),
+                    before_rows=rows_first, after_rows=rows_last,
                     labels=(f"step {int(first['step'])}", f"step {last}"))
         return out
 

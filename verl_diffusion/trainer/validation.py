@@ -35,41 +35,112 @@ def save_grid(images: torch.Tensor, path: str, *, cols: Optional[int] = None, sc
     return path
 
 
-def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, scale: int = 2,
-                      labels: Sequence[str] = ("before", "after"), cols: int = 16) -> str:
-    """Validation images before training above the same prompts and seeds after it.
+def pick_examples(prompts: Sequence[str], n_max: int = 24) -> list[int]:
+    """Indices of at most ``n_max`` images with distinct prompts, evenly spread over the set's order (a prompt file
+    grouped by tag then yields a few prompts of every tag); each prompt's first image."""
+    first: dict[str, int] = {}
+    for i, p in enumerate(prompts):
+        first.setdefault(p, i)
+    unique = list(first.values())
+    if len(unique) <= n_max:
+        return unique
+    return [unique[int(round(k * (len(unique) - 1) / (n_max - 1)))] if n_max > 1 else unique[0] for k in range(n_max)]
 
-    The images are cut into chunks of ``cols``; each chunk is a "before" row directly above its "after" row (so a
-    person compares each image with the one under it, also for the 96 prompts of the shapes run), chunks separated
-    by a white band. Each row is labelled on a white left margin so the picture reads on its own.
-    """
+
+def verdict(row: Optional[dict]) -> tuple[str, tuple[int, int, int]]:
+    """The caption of one scored image (a validation jsonl row): "✓ 0.93" / "✗ 0.41" where the reward reports a
+    strict verdict (``<reward>/strict``), else the reward; and its colour."""
+    if not row:
+        return "-", (90, 90, 90)
+    strict = [v for k, v in row.items() if k.endswith("/strict") and v is not None]
+    text = f"{float(row.get('reward', float('nan'))):.2f}"
+    if not strict:
+        return text, (40, 40, 40)
+    ok = float(strict[0]) >= 0.5
+    return ("\u2713 " if ok else "\u2717 ") + text, ((0, 130, 0) if ok else (190, 0, 0))
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    for name in ("DejaVuSans.ttf", "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"):
+        try:
+            return ImageFont.truetype(name, size)
+        except OSError:
+            continue
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:   # Pillow < 10.1
+        return ImageFont.load_default()
+
+
+def _thumb(image: torch.Tensor, size: int):
+    from PIL import Image
+
+    img = Image.fromarray(image.permute(1, 2, 0).cpu().numpy()[..., :3])
+    resample = Image.NEAREST if img.width < size else Image.LANCZOS   # small images stay crisp pixels
+    return img.resize((size, size), resample)
+
+
+def _wrap(draw, text: str, font, width: int, lines: int) -> list[str]:
+    out, cur = [], ""
+    for word in text.split():
+        trial = f"{cur} {word}".strip()
+        if draw.textlength(trial, font=font) <= width or not cur:
+            cur = trial
+        else:
+            out.append(cur)
+            cur = word
+    out.append(cur)
+    if len(out) > lines:
+        out = out[:lines]
+        out[-1] = out[-1][: max(1, len(out[-1]) - 2)] + "\u2026"
+    return out
+
+
+def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, prompts: Sequence[str],
+                      before_rows: Sequence[Optional[dict]] = (), after_rows: Sequence[Optional[dict]] = (),
+                      labels: Sequence[str] = ("before", "after"), n_max: int = 24, thumb: int = 128,
+                      cols: int = 4) -> str:
+    """A readable before/after sheet: at most ``n_max`` prompts (:func:`pick_examples`), each as a cell with the
+    image before training and after it (same prompt and noise) side by side, thumbnails of ``thumb`` px, the
+    prompt under them and each image's verdict (✓/✗ and reward, from the validation's per-image rows). The full
+    set stays in ``validation/``."""
     from PIL import Image, ImageDraw
 
-    n = before.shape[0]
-    chunks = [(i, min(i + cols, n)) for i in range(0, n, cols)] or [(0, 0)]
-    rows = []
-    for k, (a, b) in enumerate(chunks):
-        for imgs, text in zip((before[a:b], after[a:b]), labels):
-            rows.append((image_grid(imgs, cols=max(1, b - a)) if b > a else np.full((1, 1, 3), 255, np.uint8),
-                         text, k > 0 and text == labels[0]))
-    width = max(r.shape[1] for r, _, _ in rows)
-    gap = 6  # output pixels between chunks
-    margin = 7 * max(len(t) for t in labels) + 10  # output pixels: PIL's default font is ~6 px a character
-    height = sum(r.shape[0] * scale + (gap if new_chunk else 0) for r, _, new_chunk in rows)
-    canvas = Image.new("RGB", (width * scale + margin, height), "white")
+    idx = pick_examples(list(prompts), n_max)
+    font, small = _font(13), _font(12)
+    gap, text_h, head = 10, 3 * 16 + 18, 28
+    cell_w = 2 * thumb + 4
+    rows = int(math.ceil(len(idx) / cols)) or 1
+    width = min(cols, len(idx) or 1) * (cell_w + gap) + gap
+    canvas = Image.new("RGB", (width, head + rows * (thumb + text_h + gap) + gap), "white")
     draw = ImageDraw.Draw(canvas)
-    y = 0
-    for grid, text, new_chunk in rows:
-        y += gap if new_chunk else 0
-        img = Image.fromarray(grid)
-        if scale > 1:
-            img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-        canvas.paste(img, (margin, y))
-        draw.text((4, y + img.height // 2 - 6), text, fill=(0, 0, 0))
-        y += img.height
+    draw.text((gap, 6), f"left: {labels[0]}   right: {labels[1]}   (same prompt and noise; {len(idx)} of "
+                        f"{len(prompts)} validation images)", fill=(0, 0, 0), font=font)
+    for k, i in enumerate(idx):
+        r, c = divmod(k, cols)
+        x, y = gap + c * (cell_w + gap), head + r * (thumb + text_h + gap)
+        canvas.paste(_thumb(before[i], thumb), (x, y))
+        canvas.paste(_thumb(after[i], thumb), (x + thumb + 4, y))
+        for j, rows_ in enumerate((before_rows, after_rows)):
+            text, colour = verdict(rows_[i] if i < len(rows_) else None)
+            draw.text((x + j * (thumb + 4) + 2, y + thumb + 2), text, fill=colour, font=font)
+        for m, line in enumerate(_wrap(draw, str(prompts[i]), small, cell_w, 3)):
+            draw.text((x, y + thumb + 18 + 16 * m), line, fill=(0, 0, 0), font=small)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     canvas.save(path)
     return path
+
+
+def read_validation_scores(path: str) -> list[dict]:
+    """The rows :func:`write_validation_scores` wrote ([] when the file is missing)."""
+    import json
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def write_validation_scores(path: str, prompts: Sequence[str], seeds: Sequence[int], scores: torch.Tensor,
@@ -161,20 +232,31 @@ def save_reward_curve(steps: Sequence[int], rewards: Sequence[float], path: str,
     return path
 
 
-def log_images(tracker, key: str, images: torch.Tensor, step: int) -> list[str]:
-    """Send a validation grid to the image-capable backends of verl's ``Tracking`` (wandb, tensorboard).
+def caption(prompt: str, row: Optional[dict]) -> str:
+    """A tracker image's caption: the prompt and its verdict (``a red circle | ✓ 0.93``)."""
+    return f"{prompt} | {verdict(row)[0]}"
 
-    Returns the backends that received it (console / file trackers take scalars only).
+
+def log_images(tracker, key: str, images: torch.Tensor, step: int, captions: Sequence[str] = (),
+               n_max: int = 16) -> list[str]:
+    """Send images with their captions (prompt and verdict) to the image-capable backends of verl's ``Tracking``:
+    wandb as captioned images (at most ``n_max``), tensorboard as a grid with the captions as text.
+
+    Returns the backends that received them (console / file trackers take scalars only).
     """
     loggers = getattr(tracker, "logger", {}) or {}
-    grid = image_grid(images)
+    captions = list(captions) or [""] * len(images)
+    idx = pick_examples(captions, n_max) if any(captions) else list(range(min(n_max, len(images))))
     sent = []
     if "wandb" in loggers:
         import wandb
 
-        wandb.log({key: wandb.Image(grid)}, step=step)
+        wandb.log({key: [wandb.Image(images[i].permute(1, 2, 0).cpu().numpy(), caption=captions[i]) for i in idx]},
+                  step=step)
         sent.append("wandb")
     if "tensorboard" in loggers:
-        loggers["tensorboard"].writer.add_image(key, grid, step, dataformats="HWC")
+        writer = loggers["tensorboard"].writer
+        writer.add_image(key, image_grid(images[idx]), step, dataformats="HWC")
+        writer.add_text(key + "/captions", "\n\n".join(f"{n}. {captions[i]}" for n, i in enumerate(idx)), step)
         sent.append("tensorboard")
     return sent
