@@ -1,39 +1,10 @@
 #!/usr/bin/env python
-"""Prompt-per-line sets (Flow-GRPO's pickscore, DrawBench, ...) -> verl parquet for preference rewards.
+"""Checkout entry point of ``python -m verl_diffusion.data_process.pickscore`` (the script ships in the package; --help)."""
 
-    python data_process/pickscore.py --input ~/flow_grpo/dataset/pickscore --output ~/data/pickscore
-    python data_process/pickscore.py --test ~/flow_grpo/dataset/drawbench/test.txt --data-source drawbench \
-        --output ~/data/drawbench
-
-No ground truth: reward_model.ground_truth is "" (PickScore, aesthetic and JPEG rewards read only the
-image and the prompt).
-"""
-
-from __future__ import annotations
-
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import make_row, read_prompts, run  # noqa: E402
-
-FILES = {"train": "train.txt", "test": "test.txt"}
-
-
-def read(path: str, max_samples: int = -1) -> list[str]:
-    return [text for _, text in read_prompts(path, max_samples)]
-
-
-def to_row(text: str, *, split: str, index: int, args) -> dict:
-    return make_row(text, split=split, index=index, data_source=args.data_source, ability="preference",
-                    negative_prompt=args.negative_prompt)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(argv, description=__doc__, file_names=FILES, default_output="~/data/pickscore",
-               read=read, to_row=to_row,
-               extra_args=lambda p: p.add_argument("--data-source", default="pickscore", help="data_source column (default: %(default)s)"))
-
+from verl_diffusion.data_process.pickscore import *  # noqa: F401,F403  (the script's functions, for tests and imports)
+from verl_diffusion.data_process.pickscore import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -436,7 +436,39 @@ def _hydra_main():
     entry()
 
 
+def recipe_lines(folder: str) -> list[str]:
+    """One line per recipe of ``folder``: name, loss, advantage estimator, reward, GPUs, LoRA, image size, and the
+    first line of its header comment (model, paper)."""
+    from hydra import compose, initialize_config_dir
+
+    names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+    argv = ["main_flowgrpo"]
+    add_search_path(argv)
+    search = [a for a in argv if a.startswith("hydra.searchpath")]
+    lines = []
+    with initialize_config_dir(config_dir=folder, version_base="1.3"):
+        for name in names:
+            cfg = compose(config_name=name, overrides=search)
+            a = cfg.actor_rollout_ref
+            with open(os.path.join(folder, name + ".yaml")) as f:
+                head = f.readline().lstrip("# ").strip()
+            lora = f"LoRA r{a.model.lora_rank}" if int(a.model.get("lora_rank", 0) or 0) else "full FT"
+            reward = "+".join(str(k) for k in cfg.reward.components)
+            gpus = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+            lines.append(f"{name:34s} {a.actor.policy_loss.loss_mode:14s} {reward:22s} {gpus:>2d} GPUs  {lora:9s} "
+                         f"{int(a.rollout.resolution):>4d}px  {head}")
+    return lines
+
+
 def main() -> None:
+    if "--list-recipes" in sys.argv[1:]:
+        os.environ.setdefault("VERL_PLATFORM", "cpu")   # composing imports verl; nothing runs on a device
+        local = os.path.join(os.getcwd(), "recipes")
+        folder = local if os.path.isdir(local) else recipes_dir()
+        print(f"recipes in {folder} (python -m verl_diffusion.main_flowgrpo --config-name NAME; docs/recipes.md):")
+        for line in recipe_lines(folder):
+            print(line)
+        return
     # Before hydra composes the config: `pkg://verl.trainer.config` imports verl, which fixes the platform.
     try:
         select_platform()
@@ -450,17 +482,25 @@ def main() -> None:
     _hydra_main()
 
 
+def recipes_dir() -> str:
+    """The recipes shipped in the package (``verl_diffusion/recipes``), as a folder path."""
+    import importlib.resources
+
+    return str(importlib.resources.files("verl_diffusion").joinpath("recipes"))
+
+
 def add_search_path(argv: list) -> None:
-    """verl's config tree (``pkg://verl.trainer.config``) on hydra's search path, and ``./recipes`` as a config dir.
+    """verl's config tree (``pkg://verl.trainer.config``) on hydra's search path, and the recipes as the config dir.
 
     Hydra reads ``hydra.searchpath`` only from the primary config; passing it on the command line makes every
     config name (package configs and recipes) compose ``ppo_trainer`` the same way. Primary configs are only
-    looked up in config dirs, so ``./recipes`` (when present) is passed as ``--config-dir``.
+    looked up in config dirs: ``./recipes`` when the working directory has one (your own recipes), else the
+    recipes shipped in the package, so ``--config-name <recipe>`` resolves from any directory.
     """
     args = [str(a) for a in argv[1:]]
-    recipes = os.path.join(os.getcwd(), "recipes")
-    if os.path.isdir(recipes) and not any(a.startswith(("--config-dir", "-cd")) for a in args):
-        argv.insert(1, "--config-dir=" + recipes)
+    local = os.path.join(os.getcwd(), "recipes")
+    if not any(a.startswith(("--config-dir", "-cd")) for a in args):
+        argv.insert(1, "--config-dir=" + (local if os.path.isdir(local) else recipes_dir()))
     if any(a.startswith("hydra.searchpath") for a in args):
         return
     argv.append("hydra.searchpath=[pkg://verl.trainer.config,pkg://verl_diffusion.config]")

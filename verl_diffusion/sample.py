@@ -73,7 +73,7 @@ def sample(args) -> dict:
                         negative_prompt=str(s.get("negative_prompt", "") if args.negative_prompt is None
                                             else args.negative_prompt),
                         height=size, width=size, micro_batch_size=int(args.batch_size), val_num_steps=steps)
-    adapter = load_adapter(args.model, args.lora, device=args.device, dtype=args.dtype)
+    adapter = load_adapter(args.model, args.lora, device=args.device, dtype=args.dtype or s.get("dtype", "fp32"))
     rollout = DiffusersRollout(adapter, cfg)
     images = []
     for lo in range(0, n, args.batch_size):
@@ -156,7 +156,8 @@ def main(argv: Optional[list] = None) -> None:
     p.add_argument("--seed-offset", type=int, default=0, help="image i starts from the noise of seed offset + i")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the pipeline's dtype (default: the run's model.dtype, else fp32)")
     p.add_argument("--output", required=True)
     args = p.parse_args(argv)
     try:

@@ -18,15 +18,11 @@ SHARED = REPO.parent / "shared" / "datasets" / "flow_grpo"
 
 
 def _load(name):
-    sys.path.insert(0, str(DP))
-    spec = importlib.util.spec_from_file_location(f"dp_{name}", DP / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"verl_diffusion.data_process.{name}")
 
 
 ocr, pickscore, geneval = _load("ocr"), _load("pickscore"), _load("geneval")
-from _common import InputError  # noqa: E402  (data_process/ is on sys.path now)
+from verl_diffusion.data_process._common import InputError  # noqa: E402
 
 
 def _rlhf_dataset(path, tmp_path):

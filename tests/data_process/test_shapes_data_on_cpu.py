@@ -12,11 +12,7 @@ DP = REPO / "data_process"
 
 
 def _load(name):
-    sys.path.insert(0, str(DP))
-    spec = importlib.util.spec_from_file_location(f"dp_{name}", DP / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"verl_diffusion.data_process.{name}")
 
 
 def _rlhf_dataset(path, tmp_path):

@@ -288,6 +288,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                 "validation": {k: v for k, v in val.items() if k == "step" or (k.startswith("val/") and isinstance(
                     v, float) and (k == "val/reward_mean" or k.endswith("/strict")))},
                 "sampling": {"sampler": "ode", "num_steps": int(r.get("val_num_steps", 40)),
+                             "dtype": str(a.model.get("dtype", "fp32")),
                              "resolution": int(r.get("resolution", 512)),
                              "guidance_scale": float(r.get("guidance_scale", 1.0)),
                              "negative_prompt": str(r.get("negative_prompt", "") or ""),
