@@ -36,7 +36,7 @@ def _rlhf_dataset(path, tmp_path):
 @pytest.mark.parametrize("script,n_train,n_test", [(ocr, 6, 3), (pickscore, 5, 2), (geneval, 6, 2)])
 def test_sample_round_trip_through_rlhf_dataset(script, n_train, n_test, tmp_path):
     out = tmp_path / "out"
-    assert script.main(["--input", str(SAMPLES / script.__name__[3:]), "--output", str(out)]) == 0
+    assert script.main(["--input", str(SAMPLES / script.__name__.rsplit(".", 1)[-1]), "--output", str(out)]) == 0
     train, test = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "test.parquet")
     assert (len(train), len(test)) == (n_train, n_test)
     ds = _rlhf_dataset(out / "train.parquet", tmp_path)
