@@ -20,7 +20,13 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
+
+# Loading bars and advisory lines of diffusers / transformers / huggingface_hub in every process (a model load
+# prints dozens); errors still show. A user's own setting of these variables wins.
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+QUIET_ENV = {k: os.environ.get(k, v) for k, v in QUIET_ENV.items()}
 
 CONFIG_ERROR_EXIT = 2
 REWARD_FAILURE_EXIT = 3   # trainer.reward_failure_budget ran out (checkpoint saved)
@@ -340,12 +346,21 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     with open_dict(cfg):
         cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")
     env = {"VERL_PLATFORM": os.environ.get("VERL_PLATFORM", ""), "TOKENIZERS_PARALLELISM": "false",
-           "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARN")}
+           "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARN"), **QUIET_ENV}
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     env = {k: v for k, v in env.items() if v}
     if platform == "cpu":
         env["OMP_NUM_THREADS"] = os.environ.get("VERL_DIFFUSION_WORKER_THREADS", "1")
     own_ray = not ray.is_initialized()
-    if own_ray:
+    address = cluster_address(cfg)
+    if own_ray and address:
+        # An existing cluster (ray start --head / --address on every node; docs/multinode.md): its nodes bring their
+        # own resources, so nothing is sized here (Ray refuses num_cpus when joining).
+        print(f"ray: joining the cluster at {address}", flush=True)
+        ray.init(address=address, runtime_env={"env_vars": env},
+                 log_to_driver=bool(cfg.trainer.get("ray_log_to_driver", True)))
+    elif own_ray:
         workers = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
                                   "log_to_driver": bool(cfg.trainer.get("ray_log_to_driver", True))}
@@ -372,6 +387,14 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
             ray.shutdown()
         else:
             release_workers(trainer, getattr(trainer, "resource_pool_manager", None))
+
+
+def cluster_address(cfg) -> Optional[str]:
+    """The Ray cluster to join: ``ray_kwargs.ray_init.address`` (verl's key), else ``$RAY_ADDRESS``; None starts a
+    local Ray."""
+    ray_init = (cfg.get("ray_kwargs", None) or {}).get("ray_init", None) or {}
+    address = ray_init.get("address", None) or os.environ.get("RAY_ADDRESS", "")
+    return str(address) if address else None
 
 
 def release_workers(trainer, pools) -> None:

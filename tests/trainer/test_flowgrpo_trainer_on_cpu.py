@@ -84,6 +84,10 @@ def test_worker_metric_reduction_keeps_first_micro_step():
 def test_progress_line():
     line = progress_line(3, 10, {"reward/mean": -6.0, "reward/std": 0.1, "loss": 1e-5, "timing_s/step": 0.5})
     assert line.startswith("step 3/10 | reward -6.0000±0.1000") and line.endswith("0.5s")
+    # 3 steps of this segment in 75 s: 25 s a step, 7 left -> ETA 2:55
+    timed = progress_line(3, 10, {"reward/mean": -6.0, "timing_s/step": 0.5}, elapsed=75.0, done=3)
+    assert timed.endswith("0.5s | 1:15 elapsed, ETA 2:55")
+    assert progress_line(9, 10, {}, elapsed=3725.0, done=1).endswith("1:02:05 elapsed, ETA 1:02:05")
 
 
 def test_validation_line_prints_every_strict_accuracy():

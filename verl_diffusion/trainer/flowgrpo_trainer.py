@@ -576,6 +576,9 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         pad = (-len(prompts)) % self.world_size
         rows = {"prompt": np.array(prompts + prompts[:pad], dtype=object),
                 "seed": np.array(seeds + seeds[:pad], dtype=object)}
+        if self.progress:
+            print(f"validation step {int(self.global_steps)}: sampling {len(prompts)} images "
+                  f"({self.config.actor_rollout_ref.rollout.get('val_num_steps', 40)} ODE steps) ...", flush=True)
         out, _ = self._generate(DataProto.from_dict(non_tensors=rows, meta_info={"validate": True}),
                                 int(self.global_steps))
         images = out.batch["images"][: len(prompts)]
@@ -663,6 +666,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
             self.metrics_log.append({"step": 0, **val0})
         self.global_steps += 1
         done = self.global_steps > self.total_training_steps
+        t_start, first_step = time.perf_counter(), int(self.global_steps)
         with GracefulStop() as stop:
             while not done:
                 for batch_dict in self.train_dataloader:
@@ -692,7 +696,9 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                     if validated:
                         self.refresh_artifacts()
                     if self.progress:
-                        print(progress_line(step, self.total_training_steps, metrics), flush=True)
+                        print(progress_line(step, self.total_training_steps, metrics,
+                                            elapsed=time.perf_counter() - t_start, done=step - first_step + 1),
+                              flush=True)
                     if stop.requested or over_budget:     # checked last: a signal may come at any point above
                         self._save_checkpoint()             # (a no-op when this step is saved already)
                         self.refresh_artifacts()
@@ -756,7 +762,16 @@ def validation_line(step: int, m: dict) -> str:
     return " | ".join(parts) + f" ({int(m['val/num_images'])} images, ODE)"
 
 
-def progress_line(step: int, total: int, m: dict) -> str:
+def clock(seconds: float) -> str:
+    """``1:02:03`` / ``4:05``."""
+    seconds = int(round(max(seconds, 0.0)))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress_line(step: int, total: int, m: dict, *, elapsed: Optional[float] = None, done: int = 0) -> str:
+    """One line per step; with ``elapsed`` (seconds since this segment's first step) and ``done`` (its steps so
+    far) it ends with the elapsed time and an ETA at this segment's mean pace (validations included)."""
     parts = [f"step {step}/{total}", f"reward {m.get('reward/mean', float('nan')):.4f}"
              f"±{m.get('reward/std', float('nan')):.4f}"]
     for key, label in (("loss", "loss"), ("actor/pg_loss", "pg"), ("grad_norm", "gnorm"),
@@ -767,4 +782,6 @@ def progress_line(step: int, total: int, m: dict) -> str:
     if failed:
         parts.append(failed)
     parts.append(f"{m.get('timing_s/step', 0.0):.1f}s")
+    if elapsed is not None and done > 0:
+        parts.append(f"{clock(elapsed)} elapsed, ETA {clock(elapsed / done * max(total - step, 0))}")
     return " | ".join(parts)
