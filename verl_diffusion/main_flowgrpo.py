@@ -18,6 +18,7 @@ The config is validated before any Ray worker starts (:func:`validate_config`).
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 from typing import Any, Optional
@@ -319,6 +320,14 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     plan = plan_run_dir(cfg, run_dir)
     if plan.action == "finished":
         return {"run_dir": run_dir, "finished": True, "message": plan.message, "history": []}
+    from verl_diffusion.trainer.run_dir import RUN_LOG_NAME, tee_output
+
+    with tee_output(os.path.join(run_dir, RUN_LOG_NAME)):
+        return _run_planned(cfg, run_dir, plan, platform, finalize)
+
+
+def _run_planned(cfg, run_dir: str, plan, platform: str, finalize: bool) -> dict:
+    """The part of :func:`run_flowgrpo` after the run directory is planned: reward, Ray, the trainer."""
     try:
         reward_fn = build_reward_fn(cfg)
     except ValueError as e:
@@ -345,10 +354,9 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
 
     with open_dict(cfg):
         cfg.trainer.device = "cpu" if platform == "cpu" else cfg.trainer.get("device", "cuda")
+    quiet_environment()
     env = {"VERL_PLATFORM": os.environ.get("VERL_PLATFORM", ""), "TOKENIZERS_PARALLELISM": "false",
            "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARN"), **QUIET_ENV}
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
     env = {k: v for k, v in env.items() if v}
     if platform == "cpu":
         env["OMP_NUM_THREADS"] = os.environ.get("VERL_DIFFUSION_WORKER_THREADS", "1")
@@ -357,13 +365,17 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     if own_ray and address:
         # An existing cluster (ray start --head / --address on every node; docs/multinode.md): its nodes bring their
         # own resources, so nothing is sized here (Ray refuses num_cpus when joining).
-        print(f"ray: joining the cluster at {address}", flush=True)
-        ray.init(address=address, runtime_env={"env_vars": env},
-                 log_to_driver=bool(cfg.trainer.get("ray_log_to_driver", True)))
+        ray.init(address=address, runtime_env={"env_vars": env}, logging_level=logging.ERROR,
+                 log_to_driver=bool(cfg.trainer.ray_log_to_driver))
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in nodes)
+        gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in nodes)
+        print(f"ray: joined the cluster at {ray.get_runtime_context().gcs_address} ({len(nodes)} nodes, "
+              f"{cpus:g} CPUs, {gpus:g} GPUs)", flush=True)
     elif own_ray:
         workers = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
-                                  "log_to_driver": bool(cfg.trainer.get("ray_log_to_driver", True))}
+                                  "log_to_driver": bool(cfg.trainer.ray_log_to_driver), "logging_level": logging.ERROR}
         if platform == "cpu":
             from verl_diffusion.rollout.diffusers_standalone import num_standalone_replicas, placement
 
@@ -483,7 +495,16 @@ def recipe_lines(folder: str) -> list[str]:
     return lines
 
 
+def quiet_environment() -> None:
+    """verl's INFO lines at import (its loggers read VERL_LOGGING_LEVEL) and the libraries' loading bars off in this
+    process and every process it starts; a user's own setting of these variables wins."""
+    os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def main() -> None:
+    quiet_environment()
     if "--list-recipes" in sys.argv[1:]:
         os.environ.setdefault("VERL_PLATFORM", "cpu")   # composing imports verl; nothing runs on a device
         local = os.path.join(os.getcwd(), "recipes")

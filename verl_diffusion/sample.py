@@ -100,8 +100,9 @@ def sample(args) -> dict:
                                          res.details or {})
         rows_out = read_validation_scores(scores)
         summary["reward_mean"] = float(res.scores.float().mean())
-        summary.update({k: float(v) for k, v in (res.metrics or {}).items()
-                        if k.endswith("/strict") and isinstance(v, (int, float))})
+        # the overall strict accuracy of a reward (reward/<name>/strict), named as validation names it
+        summary.update({k[len("reward/"):] if k.startswith("reward/") else k: float(v)
+                        for k, v in (res.metrics or {}).items() if k.endswith("/strict") and isinstance(v, (int, float))})
     else:
         with open(os.path.join(out, "scores.jsonl"), "w") as f:
             for p, sd in zip(prompts, seeds):

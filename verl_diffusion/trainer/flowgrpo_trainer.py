@@ -55,7 +55,8 @@ from verl_diffusion.trainer.dataset import METADATA_KEYS, EpochShuffleSampler, P
 from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.reward_health import (
     RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
-from verl_diffusion.trainer.run_dir import BASELINE_NAME, METRICS_NAME, MetricsLog, RunDirError, write_run_state
+from verl_diffusion.trainer.run_dir import (
+    BASELINE_NAME, METRICS_NAME, WORKER_LOG_DIR, MetricsLog, RunDirError, write_run_state)
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.validation import (
     caption, log_images, read_validation_scores, save_grid, write_validation_scores)
@@ -339,7 +340,8 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.resource_pool_manager.create_resource_pool()
         pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
         cls = RayClassWithInitArgs(cls=self.role_worker_mapping[Role.ActorRollout],
-                                   config=self.config.actor_rollout_ref, role="actor_rollout")
+                                   config=self.config.actor_rollout_ref, role="actor_rollout",
+                                   log_dir=os.path.join(self.run_dir, WORKER_LOG_DIR))
         self.device_name = str(self.config.trainer.device)
         self.actor_rollout_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device_name)
         self.world_size = self.actor_rollout_wg.world_size

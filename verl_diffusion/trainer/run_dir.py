@@ -8,6 +8,9 @@ Layout (``trainer.run_dir``, default ``./outputs/<experiment_name>`` under the w
     validation/          step_<k>.png grids; baseline.pt = the first validation's images (uint8), kept for
                          before/after across resumes
     run_state.json       {"status": "finished" | "stopped", "step": k, ...}, written atomically
+    run.log              everything the driver printed (appended, a header per start); logs/worker_<rank>.log:
+                         each Ray worker's own output (model loading, verl's lines, warnings)
+    model/               the trained model in a format stock diffusers loads (export/writer.py)
     checkpoints/         trainer.default_local_dir (verl's global_step_<k> layout), see checkpoints.py
 
 :func:`plan_run` looks at that state before any Ray worker starts and returns one of: a new run, a resume
@@ -18,6 +21,7 @@ holds an earlier run's outputs and nothing to resume from is refused with one li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,9 +31,12 @@ from typing import Any, Optional
 from verl_diffusion.trainer.checkpoints import ResumePoint, atomic_write_text, check_checkpoint, find_resume_checkpoint
 
 METRICS_NAME = "metrics.jsonl"
+RUN_LOG_NAME = "run.log"
+WORKER_LOG_DIR = "logs"
 STATE_NAME = "run_state.json"
 BASELINE_NAME = os.path.join("validation", "baseline.pt")
-OUTPUT_NAMES = (METRICS_NAME, STATE_NAME, "reward_curve.png", "before_after.png", "validation")
+OUTPUT_NAMES = (METRICS_NAME, STATE_NAME, "reward_curve.png", "before_after.png", "validation", RUN_LOG_NAME,
+                WORKER_LOG_DIR, "model")
 
 
 class RunDirError(ValueError):
@@ -176,3 +183,54 @@ class MetricsLog:
             f.write(json.dumps(clean) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+class _Tee:
+    """A text stream writing to the console stream and to a log file."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.log.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def tee_output(path: str):
+    """Inside: this process's stdout and stderr also go to ``path`` (appended, a header line per start), so a run's
+    console survives in its run directory."""
+    import datetime
+    import sys
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", buffering=1) as log:
+        log.write(f"=== {datetime.datetime.now().isoformat(timespec='seconds')} {' '.join(sys.argv)}\n")
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+        try:
+            yield path
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+def redirect_process_output(path: str) -> str:
+    """This process's file descriptors 1 and 2 (Python's prints and C libraries' output alike) appended to ``path``:
+    a Ray worker's output in the run directory instead of the driver's console."""
+    import sys
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path

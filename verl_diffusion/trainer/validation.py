@@ -36,15 +36,30 @@ def save_grid(images: torch.Tensor, path: str, *, cols: Optional[int] = None, sc
 
 
 def pick_examples(prompts: Sequence[str], n_max: int = 24) -> list[int]:
-    """Indices of at most ``n_max`` images with distinct prompts, evenly spread over the set's order (a prompt file
-    grouped by tag then yields a few prompts of every tag); each prompt's first image."""
+    """Indices of at most ``n_max`` images for a contact sheet: as many distinct prompts as fit, evenly spread over
+    the set's order (a prompt file grouped by tag then yields a few prompts of every tag), each prompt's first image;
+    when there are fewer distinct prompts than ``n_max``, more images (other noise seeds) fill the sheet, spread over
+    the rest. Sorted so that a prompt's images sit together."""
+    n = len(prompts)
+    if n <= n_max:
+        return list(range(n))
     first: dict[str, int] = {}
     for i, p in enumerate(prompts):
         first.setdefault(p, i)
     unique = list(first.values())
-    if len(unique) <= n_max:
-        return unique
-    return [unique[int(round(k * (len(unique) - 1) / (n_max - 1)))] if n_max > 1 else unique[0] for k in range(n_max)]
+
+    def spread(items: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        if len(items) <= k:
+            return list(items)
+        return [items[int(round(j * (len(items) - 1) / (k - 1)))] if k > 1 else items[0] for j in range(k)]
+
+    chosen = spread(unique, n_max)
+    taken = set(chosen)
+    chosen += spread([i for i in range(n) if i not in taken], n_max - len(chosen))
+    order = {p: r for r, p in enumerate(first)}
+    return sorted(chosen, key=lambda i: (order[prompts[i]], i))
 
 
 def verdict(row: Optional[dict]) -> tuple[str, tuple[int, int, int]]:

@@ -179,7 +179,11 @@ def diffusion_model_config(m, *, lora: bool):
 class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
     """Actor (verl TrainingWorker + our engine) + in-process diffusers rollout (+ frozen reference)."""
 
-    def __init__(self, config: DictConfig, role: str = "actor_rollout"):
+    def __init__(self, config: DictConfig, role: str = "actor_rollout", log_dir: Optional[str] = None):
+        if log_dir:   # this worker's output into the run directory (logs/worker_<rank>.log), not the console
+            from verl_diffusion.trainer.run_dir import redirect_process_output
+
+            redirect_process_output(os.path.join(log_dir, f"worker_{os.environ.get('RANK', '0')}.log"))
         init_cpu_process_group()
         Worker.__init__(self)
         self.config = config
