@@ -476,6 +476,8 @@ def recipe_lines(folder: str) -> list[str]:
     first line of its header comment (model, paper)."""
     from hydra import compose, initialize_config_dir
 
+    from verl_diffusion.hardware import estimate
+
     names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
     argv = ["main_flowgrpo"]
     add_search_path(argv)
@@ -490,8 +492,10 @@ def recipe_lines(folder: str) -> list[str]:
             lora = f"LoRA r{a.model.lora_rank}" if int(a.model.get("lora_rank", 0) or 0) else "full FT"
             reward = "+".join(str(k) for k in cfg.reward.components)
             gpus = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+            est = estimate(name, cfg)
+            need = est.short() if est else "CPU"
             lines.append(f"{name:34s} {a.actor.policy_loss.loss_mode:14s} {reward:22s} {gpus:>2d} GPUs  {lora:9s} "
-                         f"{int(a.rollout.resolution):>4d}px  {head}")
+                         f"{int(a.rollout.resolution):>4d}px  {need}\n    {head}")
     return lines
 
 

@@ -345,3 +345,21 @@ def test_a_recipe_on_another_architecture_stops_with_one_line(name, assets, tmp_
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.model"):
         prepare_config(cfg)
         validate_config(cfg)
+
+
+def test_every_gpu_recipe_has_a_hardware_estimate_by_the_documented_arithmetic():
+    """verl_diffusion/hardware.py: sd35_pickscore_flowgrpo by hand: 48 prompts × 24 images / 8 GPUs = 144 images per
+    GPU; CFG 4.5 doubles every forward; 10 sampling steps + 9 trained steps (window off: ⌊0.99·10⌋) × 1 epoch × 4;
+    a forward = 2 · 2.5e9 · (1024 + 333 tokens) · 1.15 FLOPs; at 35% of 989 TFLOP/s."""
+    from verl_diffusion.hardware import estimate
+
+    names = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+    for name in names:
+        est = estimate(name, _raw(name))
+        assert (est is None) == (name == "tiny_cpu"), name
+        if est is not None:
+            assert 5 < est.memory_gb < 80 and est.seconds_per_step > 0, (name, est)
+    est = estimate("sd35_pickscore_flowgrpo", _raw("sd35_pickscore_flowgrpo"))
+    forwards = 144 * 2 * (10 + 9 * 1 * 4)
+    assert est.images_per_gpu == 144
+    assert est.seconds_per_step == pytest.approx(forwards * 2 * 2.5e9 * 1357 * 1.15 / (989e12 * 0.35))
