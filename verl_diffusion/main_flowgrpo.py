@@ -314,16 +314,37 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
     """Validate, plan the run directory, start Ray, train. Returns a summary dict (history, paths); a run that
     already finished returns ``{"finished": True, "message": ...}`` without starting Ray or touching a file.
     Raises StopRequested (SIGTERM/SIGINT, checkpoint saved) or RewardBudgetExceeded (checkpoint saved)."""
+    from verl_diffusion.trainer.run_dir import RunDirLock
+
     platform = select_platform()
-    run_dir = prepare_config(cfg)
+    try:
+        run_dir = prepare_config(cfg)
+        lock = RunDirLock(run_dir).acquire()     # held until this run ends; a second run here is refused
+    except OSError as e:
+        raise ConfigError(f"trainer.run_dir: cannot write {e.filename or cfg.trainer.get('run_dir')}: "
+                          f"{e.strerror or e}") from None
+    try:
+        return _run_locked(cfg, run_dir, platform, finalize)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg, run_dir: str, platform: str, finalize: bool) -> dict:
     validate_config(cfg)
     plan = plan_run_dir(cfg, run_dir)
     if plan.action == "finished":
         return {"run_dir": run_dir, "finished": True, "message": plan.message, "history": []}
     from verl_diffusion.trainer.run_dir import RUN_LOG_NAME, tee_output
 
-    with tee_output(os.path.join(run_dir, RUN_LOG_NAME)):
+    try:
+        log = tee_output(os.path.join(run_dir, RUN_LOG_NAME))
+        log.__enter__()
+    except OSError as e:
+        raise ConfigError(f"trainer.run_dir: cannot write {e.filename or run_dir}: {e.strerror or e}") from None
+    try:
         return _run_planned(cfg, run_dir, plan, platform, finalize)
+    finally:
+        log.__exit__(None, None, None)
 
 
 def _run_planned(cfg, run_dir: str, plan, platform: str, finalize: bool) -> dict:
@@ -452,13 +473,18 @@ def _hydra_main():
         if summary.get("finished"):
             print(summary["message"], flush=True)
             return
-        h = summary["history"]
+        # The whole run, every resumed segment included: metrics.jsonl and the validation files, not this process.
+        from verl_diffusion.trainer.run_dir import METRICS_NAME, MetricsLog
+        from verl_diffusion.trainer.validation import val_history_from_run_dir
+
+        rows = MetricsLog(os.path.join(summary["run_dir"], METRICS_NAME)).rows()
+        h = [r for r in rows if "reward/mean" in r]
         if h:
             k = max(1, len(h) // 4)
             first = sum(x["reward/mean"] for x in h[:k]) / k
             last = sum(x["reward/mean"] for x in h[-k:]) / k
             print(f"reward: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
-        gain = validation_gain_line(summary.get("val_history") or [])
+        gain = validation_gain_line(val_history_from_run_dir(summary["run_dir"], rows))
         if gain:
             print(gain)
         for key in ("reward_curve", "before_after", "metrics"):

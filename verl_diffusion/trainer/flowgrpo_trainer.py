@@ -54,7 +54,7 @@ from verl_diffusion.trainer.checkpoints import (
 from verl_diffusion.trainer.dataset import METADATA_KEYS, EpochShuffleSampler, PromptDataset, collate_prompts
 from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.reward_health import (
-    RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
+    NoSignalMonitor, RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
 from verl_diffusion.trainer.run_dir import (
     BASELINE_NAME, METRICS_NAME, WORKER_LOG_DIR, MetricsLog, RunDirError, write_run_state)
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
@@ -140,6 +140,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.resume_point: Optional[ResumePoint] = None   # set by main_flowgrpo's run plan; else found at load
         self.reward_health = RewardHealth(RewardFailureBudget.from_dict(
             config.trainer.get("reward_failure_budget", None)))
+        self.no_signal = NoSignalMonitor()
         self._saved_step: Optional[int] = None
         self._exported_step: Optional[int] = None
         self.exported_model: Optional[str] = None
@@ -201,7 +202,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         out = 0
         if mode == "auto":
             point = self.resume_point or find_resume_checkpoint(self._ckpt_dir())
-            if point.warning():
+            if point.warning() and self.resume_point is None:   # the run plan's own line already said it
                 warn(point.warning())
             if point.path is None and point.existing:
                 raise RunDirError(f"{self._ckpt_dir()} has checkpoints but none is complete ({point.warning()}); "
@@ -458,7 +459,8 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         health, events = self.reward_health.update(step, res.failures or {}, len(batch),
                                                    getattr(res, "causes", None))
         out.update(health)
-        for line in events:
+        signal_line = self.no_signal.update(step, out)
+        for line in events + ([signal_line] if signal_line else []):
             warn(line)
         return out
 
@@ -715,6 +717,13 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                         break
         final = int(self.history[-1]["step"]) if self.history else start_step
         self.export_model(final)
+        failed = self.reward_health.failed_throughout()
+        if failed:   # a run shorter than the failure budget's window whose reward never worked: not a success
+            self._save_checkpoint()
+            write_run_state(self.run_dir, "stopped", final, reason=failed)
+            if hasattr(logger, "finish"):
+                logger.finish()
+            raise RewardBudgetExceeded(failed)
         if hasattr(logger, "finish"):
             logger.finish()
         write_run_state(self.run_dir, "finished", final)

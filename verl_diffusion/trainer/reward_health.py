@@ -64,6 +64,7 @@ class RewardHealth:
 
     budget: RewardFailureBudget = field(default_factory=RewardFailureBudget)
     states: dict[str, _State] = field(default_factory=dict)
+    steps: int = 0                          # steps accounted in this process (a resumed run counts from its resume)
 
     def update(self, step: int, failures: Mapping[str, int], num_samples: int,
                causes: Optional[Mapping[str, str]] = None) -> tuple[dict[str, float], list[str]]:
@@ -71,6 +72,7 @@ class RewardHealth:
         metrics: dict[str, float] = {}
         events: list[str] = []
         causes = causes or {}
+        self.steps += 1
         n = max(int(num_samples), 1)
         for name, count in failures.items():
             count = int(count)
@@ -101,6 +103,48 @@ class RewardHealth:
                         f"{st.over_budget_steps} consecutive steps (trainer.reward_failure_budget."
                         f"max_consecutive_steps={limit}); stopping")
         return None
+
+    def failed_throughout(self) -> Optional[str]:
+        """At the end of a run shorter than the budget's window: the reason to exit non-zero when some reward failed
+        beyond ``max_fraction`` on every step it ran (the window never filled, so :meth:`exceeded` never fired)."""
+        limit = self.budget.max_consecutive_steps
+        if not limit or not self.steps:
+            return None
+        for name, st in self.states.items():
+            if st.over_budget_steps >= self.steps:
+                return (f"reward {name!r} failed on more than {self.budget.max_fraction:.0%} of the samples on every "
+                        f"one of the {self.steps} steps of this run (shorter than trainer.reward_failure_budget."
+                        f"max_consecutive_steps={limit}); nothing was learned from it")
+        return None
+
+
+class NoSignalMonitor:
+    """Warns when most groups carry no learning signal: a group whose images all scored the same has advantage 0
+    everywhere (``reward/zero_std_ratio``, the share of such groups). One warning when the share stayed at or above
+    ``share`` for ``steps`` steps in a row, one more when it recovers."""
+
+    def __init__(self, share: float = 0.8, steps: int = 3):
+        self.share, self.steps = float(share), int(steps)
+        self.run, self.warned, self.first = 0, False, None
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> Optional[str]:
+        ratio = metrics.get("reward/zero_std_ratio")
+        if ratio is None:
+            return None
+        if float(ratio) >= self.share:
+            self.first = step if self.run == 0 else self.first
+            self.run += 1
+            if self.run >= self.steps and not self.warned:
+                self.warned = True
+                return (f"{float(ratio):.0%} of the groups had equal rewards (no advantage, nothing to learn) on each "
+                        f"of steps {self.first}-{step}: the reward cannot tell this model's images apart; check the "
+                        "reward and its metadata, or use more images per prompt (rollout.n) / more noise")
+            return None
+        line = None
+        if self.warned:
+            line = f"learning signal back at step {step}: {float(ratio):.0%} of the groups had equal rewards"
+        self.run, self.warned = 0, False
+        return line
 
 
 def failure_summary(metrics: Mapping[str, float]) -> str:

@@ -234,3 +234,59 @@ def redirect_process_output(path: str) -> str:
     os.dup2(fd, 2)
     os.close(fd)
     return path
+
+
+LOCK_NAME = ".run.lock"
+
+
+class RunDirLock:
+    """An OS file lock on ``<run_dir>/.run.lock`` held for the life of a run (``fcntl.flock``): a second run into the
+    same directory is refused with one line naming the process that holds it; the kernel drops the lock when that
+    process ends in any way (crash, kill -9), so a stale lock file never blocks a resume. The file records the
+    holder (pid, host, command, start time) for that message."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunDirLock":
+        import fcntl
+        import socket
+        import sys
+        import time
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirError(f"{os.path.dirname(self.path)} is in use by another run ({holder}); wait for it to end, "
+                              "or give this run another trainer.experiment_name / trainer.run_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv,
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)      # closing the descriptor drops the lock
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 65536, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "a process that is still starting"
+    cmd = " ".join(str(a) for a in info.get("argv", []))[:120]
+    return f"process {info.get('pid')} on {info.get('host')}, started {info.get('started')}: {cmd}"

@@ -175,6 +175,26 @@ def write_validation_scores(path: str, prompts: Sequence[str], seeds: Sequence[i
     return path
 
 
+def val_history_from_run_dir(run_dir: str, rows: Sequence[dict]) -> list[dict]:
+    """The validations of a whole run (every resumed segment) as ``validation_gain_line`` reads them: the
+    ``val/*`` metrics of each metrics.jsonl row that has them, with the per-image values from
+    ``validation/step_<k>.jsonl`` (``val/reward_mean`` ← reward, ``val/<detail>`` ← each per-image detail)."""
+    out = []
+    for row in rows:
+        if "val/reward_mean" not in row:
+            continue
+        step = int(row["step"])
+        images = read_validation_scores(os.path.join(run_dir, "validation", f"step_{step:05d}.jsonl"))
+        per_image: dict = {}
+        if images:
+            per_image["val/reward_mean"] = [float(r["reward"]) for r in images]
+            for key in images[0]:
+                if key not in ("prompt", "seed", "reward") and f"val/{key}" in row:
+                    per_image[f"val/{key}"] = [float("nan") if r.get(key) is None else float(r[key]) for r in images]
+        out.append({**{k: v for k, v in row.items() if k == "step" or k.startswith("val/")}, "per_image": per_image})
+    return out
+
+
 def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> Optional[float]:
     """Standard error of a validation gain, mean(after − before), when both validations scored the same images'
     prompts and noise: sd_i(after_i − before_i) / sqrt(n) (sample sd, n − 1). It measures how far the gain on these
