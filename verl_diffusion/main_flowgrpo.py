@@ -534,6 +534,18 @@ def quiet_environment() -> None:
 
 
 def main() -> None:
+    from verl_diffusion.trainer.signals import StartupInterrupted, install_startup_handlers
+
+    install_startup_handlers()
+    try:
+        _main()
+    except StartupInterrupted as e:
+        print(f"{e}: nothing new to save; run the same command to start again (it resumes from the newest complete "
+              "checkpoint, if any)", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+def _main() -> None:
     quiet_environment()
     if "--list-recipes" in sys.argv[1:]:
         os.environ.setdefault("VERL_PLATFORM", "cpu")   # composing imports verl; nothing runs on a device

@@ -57,6 +57,7 @@ from verl_diffusion.trainer.reward_health import (
     NoSignalMonitor, RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
 from verl_diffusion.trainer.run_dir import (
     BASELINE_NAME, METRICS_NAME, WORKER_LOG_DIR, MetricsLog, RunDirError, write_run_state)
+from verl_diffusion.trainer import signals
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.validation import (
     caption, log_images, read_validation_scores, save_grid, write_validation_scores)
@@ -659,11 +660,13 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self.tracker = logger
         start_step = self.global_steps   # set by init()'s checkpoint load
         if cfg.trainer.get("val_only", False):
+            signals.phase = "the validation (trainer.val_only)"
             metrics = self._validate(keep_baseline=False)
             logger.log(metrics, step=start_step)
             if hasattr(logger, "finish"):
                 logger.finish()
             return []
+        signals.phase = "the step-0 validation"
         if cfg.trainer.get("val_before_train", True) and start_step == 0 and cfg.trainer.test_freq > 0:
             val0 = self._validate()
             logger.log(val0, step=0)
@@ -716,6 +719,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                         done = True
                         break
         final = int(self.history[-1]["step"]) if self.history else start_step
+        signals.phase = f"the end of the run (step {final} is saved in metrics.jsonl; the model export)"
         self.export_model(final)
         failed = self.reward_health.failed_throughout()
         if failed:   # a run shorter than the failure budget's window whose reward never worked: not a success

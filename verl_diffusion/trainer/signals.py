@@ -14,6 +14,34 @@ from typing import Optional
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
+# What the process is doing outside the training loop, for the line a start-up signal prints (set by the trainer).
+phase = "start-up"
+
+
+class StartupInterrupted(BaseException):
+    """SIGTERM / SIGINT outside the training loop (start-up, the step-0 validation, the end): nothing is saved
+    then, so the process stops at once. A BaseException, like KeyboardInterrupt, so that no ``except Exception``
+    on the way (hydra's, Ray's) turns it into a traceback; ``finally`` blocks still run (Ray is shut down)."""
+
+    def __init__(self, signum: int, during: str):
+        self.signum, self.during = int(signum), during
+        super().__init__(f"stopped by {signal.Signals(signum).name} during {during}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def install_startup_handlers() -> None:
+    """From the first line of ``main``: SIGTERM / SIGINT raise :class:`StartupInterrupted` in the main thread
+    (the training loop's :class:`GracefulStop` takes over while it runs, and restores these after)."""
+    def stop(signum, frame):
+        raise StartupInterrupted(signum, phase)
+
+    if threading.current_thread() is threading.main_thread():
+        for s in HANDLED:
+            signal.signal(s, stop)
+
 
 class StopRequested(Exception):
     """Raised by the loop after it saved its state because a signal asked it to stop."""
