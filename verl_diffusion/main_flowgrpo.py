@@ -7,7 +7,8 @@ accuracy and reward at each validation and their gain at the end; a reward/accur
 
 Outputs go to the run directory, ``./outputs/<experiment_name>`` by default, printed first; what a run does with
 an existing one (resume, "already finished", refuse) is decided before Ray starts (trainer/run_dir.py). Exit
-codes: 0, 2 (config / run directory), 3 (reward-failure budget), 130 / 143 (SIGINT / SIGTERM, checkpoint saved).
+codes: 0, 2 (config / run directory, also one that cannot be written), 3 (reward-failure budget), 4 (a save failed:
+disk full or not writable), 130 / 143 (SIGINT / SIGTERM: checkpoint saved in the loop; at once before it).
 
 Platform: when no accelerator is present, ``VERL_PLATFORM=cpu`` is set in the driver and in Ray's
 ``runtime_env`` before verl is imported. On a host that has GPUs but where torch sees none (broken driver),
@@ -31,6 +32,7 @@ QUIET_ENV = {k: os.environ.get(k, v) for k, v in QUIET_ENV.items()}
 
 CONFIG_ERROR_EXIT = 2
 REWARD_FAILURE_EXIT = 3   # trainer.reward_failure_budget ran out (checkpoint saved)
+STORAGE_ERROR_EXIT = 4    # a save failed: disk full or not writable (the previous complete checkpoint stays)
 
 
 class ConfigError(ValueError):
@@ -453,7 +455,7 @@ def _hydra_main():
     @hydra.main(config_path="config", config_name="shapes_cpu", version_base="1.3")  # 1.3: no chdir
     def entry(cfg) -> None:
         from verl_diffusion.trainer.reward_health import RewardBudgetExceeded
-        from verl_diffusion.trainer.run_dir import RunDirError
+        from verl_diffusion.trainer.run_dir import RunDirError, StorageError
         from verl_diffusion.trainer.signals import StopRequested
         from verl_diffusion.trainer.validation import validation_gain_line
 
@@ -466,6 +468,10 @@ def _hydra_main():
             print(f"{e}: checkpoint and metrics saved in {cfg.trainer.run_dir}; run the same command to resume",
                   flush=True)
             sys.exit(e.exit_code)
+        except StorageError as e:
+            print(f"storage error: {e}; the newest complete checkpoint is kept: free space (or fix the permissions) "
+                  "and run the same command to resume", file=sys.stderr, flush=True)
+            sys.exit(STORAGE_ERROR_EXIT)
         except RewardBudgetExceeded as e:
             print(f"reward failure: {e}; checkpoint and metrics saved in {cfg.trainer.run_dir}; fix the reward and "
                   "run the same command to resume", file=sys.stderr, flush=True)

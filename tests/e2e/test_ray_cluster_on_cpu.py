@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     if RAY is None:
         pytest.skip("the ray command is not installed next to this Python")
     port = _free_port()
     # Ray's token authentication: every node and the driver share one token, as on a real cluster (docs/multinode.md).
-    env = dict(os.environ, VERL_PLATFORM="cpu", RAY_TMPDIR=str(tmp_path_factory.mktemp("ray")), RAY_AUTH_MODE="token",
+    # A short session folder: Ray's socket paths under pytest's tmp_path (popen-gw1/...) exceed AF_UNIX's 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="vdray", dir="/tmp")
+    env = dict(os.environ, VERL_PLATFORM="cpu", RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=os.urandom(16).hex())
     address = f"127.0.0.1:{port}"
     head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
@@ -48,7 +51,28 @@ def cluster(tmp_path_factory):
         assert node.returncode == 0, node.stderr[-2000:]
         yield address, env
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=300)
+        _stop_cluster(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _stop_cluster(ray_tmp: str) -> None:
+    """Kill this cluster's processes only: every one names its session folder (under ``ray_tmp``) on its command
+    line. ``ray stop`` would kill every Ray on the machine, the other pytest worker's included."""
+    import signal
+
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if ray_tmp in cmd:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _main(env, address, root, *overrides):

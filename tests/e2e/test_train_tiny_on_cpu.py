@@ -229,7 +229,7 @@ def test_lora_cfg_ema_off_policy_through_ray(session_runs):
     actor = Path(row["ckpt_dir"]) / "global_step_2" / "actor"
     shard = torch.load(actor / "model_world_size_2_rank_0.pt", weights_only=False)
     assert shard and all("lora_" in k for k in shard)
-    res = subprocess.run([sys.executable, "-m", "verl_diffusion.export", row["run_dir"], "--output",
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.export", row["ckpt_dir"], "--output",
                           f"{row['run_dir']}/cli_export"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     live = load_file(f"{row['model']}/pytorch_lora_weights.safetensors")

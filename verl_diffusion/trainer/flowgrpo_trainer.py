@@ -56,7 +56,7 @@ from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, r
 from verl_diffusion.trainer.reward_health import (
     NoSignalMonitor, RewardBudgetExceeded, RewardFailureBudget, RewardHealth, failure_summary)
 from verl_diffusion.trainer.run_dir import (
-    BASELINE_NAME, METRICS_NAME, WORKER_LOG_DIR, MetricsLog, RunDirError, write_run_state)
+    BASELINE_NAME, METRICS_NAME, WORKER_LOG_DIR, MetricsLog, RunDirError, as_storage_error, write_run_state)
 from verl_diffusion.trainer import signals
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.validation import (
@@ -232,6 +232,41 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         return os.path.abspath(str(self.config.trainer.default_local_dir))
 
     def _save_checkpoint(self):
+        """:meth:`_write_checkpoint`, and the model export after it. A save that fails for lack of space or write
+        permission removes its partial folder (it never had a manifest, so it never counted as complete), writes
+        ``run_state.json`` saying why and raises :class:`StorageError` (one line; the run stops, exit 4)."""
+        step = int(self.global_steps)
+        try:
+            self._write_checkpoint()
+        except Exception as e:
+            err = as_storage_error(e, step_dir(self._ckpt_dir(), step), f"saving the checkpoint of step {step}")
+            if err is None:
+                raise
+            import shutil
+
+            shutil.rmtree(step_dir(self._ckpt_dir(), step), ignore_errors=True)
+            self._record_stop(step, str(err))
+            raise err from None
+        self._export(step)
+
+    def _export(self, step: int) -> None:
+        """:meth:`export_model`, with a full or read-only disk handled as in :meth:`_save_checkpoint`."""
+        try:
+            self.export_model(step)
+        except Exception as e:
+            err = as_storage_error(e, os.path.join(self.run_dir, "model"), f"exporting the model of step {step}")
+            if err is None:
+                raise
+            self._record_stop(step, str(err))
+            raise err from None
+
+    def _record_stop(self, step: int, reason: str) -> None:
+        try:
+            write_run_state(self.run_dir, "stopped", step, reason=reason)
+        except OSError:
+            pass   # the same full or read-only disk; the message on the console says it
+
+    def _write_checkpoint(self):
         """verl's layout (``global_step_<k>/actor`` by the workers, ``data.pt``), then ``manifest.json`` listing
         every file with its size, then the tracker, atomically (checkpoints.py): a save cut at any point leaves
         the previous complete checkpoint as the newest complete one. Folders whose ``actor/`` verl pruned
@@ -262,7 +297,6 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self._saved_step = step
         if self.progress:
             print(f"checkpoint: {folder}", flush=True)
-        self.export_model(step)
 
     # ------------------------------------------------------------------ the trained model
 
@@ -720,7 +754,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
                         break
         final = int(self.history[-1]["step"]) if self.history else start_step
         signals.phase = f"the end of the run (step {final} is saved in metrics.jsonl; the model export)"
-        self.export_model(final)
+        self._export(final)
         failed = self.reward_health.failed_throughout()
         if failed:   # a run shorter than the failure budget's window whose reward never worked: not a success
             self._save_checkpoint()

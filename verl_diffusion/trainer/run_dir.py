@@ -290,3 +290,51 @@ def _read_holder(fd: int) -> str:
         return "a process that is still starting"
     cmd = " ".join(str(a) for a in info.get("argv", []))[:120]
     return f"process {info.get('pid')} on {info.get('host')}, started {info.get('started')}: {cmd}"
+
+
+class StorageError(RuntimeError):
+    """A save failed for lack of space or write permission; the message is one line naming the path and cause."""
+
+
+def storage_problem(path: str) -> Optional[str]:
+    """Why ``path``'s file system refuses writes, judged from the file system itself (a failed ``torch.save``
+    reports only "iostream error" / "file write failed", without the errno): "No space left on device",
+    "read-only file system", "permission denied", or None when it looks writable."""
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not probe:
+        return None
+    try:
+        st = os.statvfs(probe)
+    except OSError as e:
+        return e.strerror
+    if st.f_flag & os.ST_RDONLY:
+        return "read-only file system"
+    if st.f_bavail * st.f_frsize < 1 << 20:
+        return "No space left on device"
+    if not os.access(probe, os.W_OK):
+        return "permission denied"
+    return None
+
+
+def as_storage_error(exc: BaseException, path: str, what: str) -> Optional[StorageError]:
+    """A :class:`StorageError` for ``exc`` when it came from the storage at ``path`` (an OSError of ENOSPC / EROFS /
+    EACCES / EDQUOT anywhere in its chain, Ray task errors included, or a file system that now refuses writes);
+    None for anything else."""
+    import errno
+
+    codes = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in codes:
+            return StorageError(f"{what} failed: {e.filename or path}: {e.strerror}")
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    problem = storage_problem(path)
+    if problem:
+        return StorageError(f"{what} failed: {path}: {problem}")
+    return None
