@@ -44,23 +44,27 @@ _FLOW_GRPO_SD35 = {R + "sde.type": "flow_sde", R + "sde.noise_level": 0.7, R + "
 _DPPO = {PL + "loss_mode": "flow_dppo", PL + "mask": "original", PL + "threshold": 1e-5, PL + "kl_coef": 0.0,
          R + "n": 16, "data.train_batch_size": 64, R + "num_steps": 10, R + "sde.type": "flow_sde",
          R + "sde.noise_level": 0.7, R + "sde.window.mode": "random", R + "sde.window.size": 3,
-         R + "sde.window.lo": 0, R + "sde.window.hi": None, A + "ppo_epochs": 2}
+         R + "sde.window.lo": 0, R + "sde.window.hi": None, A + "ppo_epochs": 1, A + "ppo_mini_batch_size": 32,
+         ALG + "std_mode": "group"}
+# flow_grpo's train_sd3.py drops zero-advantage samples before training
+_DROP = {ALG + "filter_zero_advantage": True}
 EXPECTED: dict[str, dict] = {
-    "sd35_ocr_flowgrpo": {**_FLOW_GRPO_SD35, PL + "kl_coef": 0.04, R + "sde.window.mode": "none",
+    "sd35_ocr_flowgrpo": {**_FLOW_GRPO_SD35, **_DROP, PL + "kl_coef": 0.04, R + "sde.window.mode": "none",
+                          "data.train_batch_size": 48, A + "ppo_mini_batch_size": 24, "trainer.val_num_images": None,
                           "reward.components": {"ocr": 1.0}},
     "sd35_ocr_flow_cps": {
-        **_FLOW_GRPO_SD35, R + "sde.type": "cps", R + "sde.noise_level": 0.8,
+        **_FLOW_GRPO_SD35, **_DROP, R + "sde.type": "cps", R + "sde.noise_level": 0.8,
         R + "sde.log_prob_convention": "unnormalized", PL + "clip_range": 1e-5, PL + "kl_coef": 0.0,
         R + "sde.window.mode": "random", R + "sde.window.size": 3, R + "sde.window.lo": 0, R + "sde.window.hi": None,
         "data.train_batch_size": 48, A + "ppo_mini_batch_size": 24, "reward.components": {"ocr": 1.0}},
     "sd35_pickscore_flowgrpo": {
-        **_FLOW_GRPO_SD35, PL + "kl_coef": 0.01, PL + "kl_mode": "flow_grpo_legacy", R + "sde.window.mode": "none",
+        **_FLOW_GRPO_SD35, **_DROP, PL + "kl_coef": 0.01, PL + "kl_mode": "flow_grpo_legacy", R + "sde.window.mode": "none",
         "data.train_batch_size": 48, A + "ppo_mini_batch_size": 24, "reward.components": {"pickscore": 1.0}},
     "sd35_geneval_flowgrpo": {
-        **_FLOW_GRPO_SD35, PL + "kl_coef": 0.04, PL + "kl_mode": "flow_grpo_legacy", R + "sde.window.mode": "none",
+        **_FLOW_GRPO_SD35, **_DROP, PL + "kl_coef": 0.04, PL + "kl_mode": "flow_grpo_legacy", R + "sde.window.mode": "none",
         "data.train_batch_size": 48, A + "ppo_mini_batch_size": 24, "reward.components": {"geneval": 1.0}},
     "sd35_ocr_grpo_guard": {
-        **_FLOW_GRPO_SD35, PL + "loss_mode": "grpo_guard", PL + "clip_range": 2e-6, PL + "kl_coef": 0.0,
+        **_FLOW_GRPO_SD35, **_DROP, PL + "loss_mode": "grpo_guard", PL + "clip_range": 2e-6, PL + "kl_coef": 0.0,
         A + "optim.lr": 1e-4, ALG + "std_mode": "group", R + "sde.window.mode": "none",
         "reward.components": {"ocr": 1.0}},
     "sd35_ocr_flow_dppo": {**_DPPO, "reward.components": {"ocr": 1.0}},
@@ -114,13 +118,15 @@ EXPECTED: dict[str, dict] = {
         PL + "loss_mode": "path_space", PL + "preset": "ps_kde", PL + "estimator": "kde", PL + "kde_bandwidth": None,
         PL + "w1_family": "one_minus_t", PL + "w2_family": "t", PL + "kl_coef": 1e-4, PL + "kl_mode": "v_space",
         R + "sde.noise_level": math.sqrt(2 * 0.005), R + "guidance_scale": 1.0, R + "n": 16, R + "num_steps": 10,
-        R + "val_num_steps": 50, R + "sde.window.size": 10, R + "grid": "scheduler", "data.train_batch_size": 8,
+        R + "val_num_steps": 50, R + "sde.window.size": 10, R + "grid": "scheduler", "data.train_batch_size": 32,
+        A + "ppo_mini_batch_size": 16,
         A + "optim.lr": 3e-4, A + "optim.betas": [0.9, 0.999], ALG + "std_mode": "global",
         "reward.components": {"hpsv3": 1.0}},
     "qwenimage_hpsv3_diffusion_nft": {
         PL + "loss_mode": "diffusion_nft", PL + "beta": 1.0, PL + "kl_coef": 1e-4, PL + "adv_clip_max": 5.0,
         A + "old_policy.schedule": "nft", A + "old_policy.nft_type": 1, A + "train_step_fraction": 0.99,
-        R + "guidance_scale": 1.0, R + "n": 16, R + "num_steps": 10, "data.train_batch_size": 8, A + "optim.lr": 3e-4,
+        R + "guidance_scale": 1.0, R + "n": 16, R + "num_steps": 10, "data.train_batch_size": 32,
+        A + "ppo_mini_batch_size": 16, A + "optim.lr": 3e-4,
         R + "sde.noise_level": 0.1, "reward.components": {"hpsv3": 1.0}},
     "flux2_klein_ocr_flow_dppo": {
         **_DPPO, R + "num_steps": 14, R + "sde.noise_level": 0.9, A + "ppo_epochs": 1, A + "ppo_mini_batch_size": 32,
