@@ -109,3 +109,17 @@ def test_v1_trainer_starts_without_the_legacy_trainer_deprecation():
     assert trainer.trainer_mode == "diffusion_sync" and cfg.trainer.use_v1
     assert not [w for w in caught if "Legacy trainer" in str(w.message) or "use_v1" in str(w.message)], \
         [str(w.message) for w in caught]
+
+
+def test_help_prints_no_log_lines(tmp_path):
+    """``main_flowgrpo --help`` (VERL_PLATFORM unset, as a new user types it) prints hydra's help and no INFO or
+    WARNING line of verl's platform selection."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_LOGGING_LEVEL")}
+    res = subprocess.run([sys.executable, "-m", "verl_diffusion.main_flowgrpo", "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "powered by Hydra" in out, out[-2000:]
+    assert "INFO" not in out and "WARNING" not in out, out[:2000]

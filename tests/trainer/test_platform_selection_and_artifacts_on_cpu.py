@@ -153,6 +153,15 @@ def test_validation_grid_goes_to_tensorboard(tmp_path):
     class _Tracker:
         logger = {"tensorboard": _TB(), "console": object()}
 
-    assert log_images(_Tracker(), "val/images", torch.zeros(2, 3, 8, 8, dtype=torch.uint8), 1) == ["tensorboard"]
+    captions = ["a red circle | \u2713 0.93", "a blue square | \u2717 0.41"]
+    assert log_images(_Tracker(), "val/images", torch.zeros(2, 3, 8, 8, dtype=torch.uint8), 1,
+                      captions=captions) == ["tensorboard"]
     _TB.writer.close()
     assert any(f.startswith("events") for f in os.listdir(tmp_path))
+    # the captions went with the images, as text beside the grid
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = acc.Tensors("val/images/captions/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "0. a red circle | \u2713 0.93" in text and "1. a blue square | \u2717 0.41" in text
