@@ -19,6 +19,8 @@ FRESH_IMPORT = (
     "for n in ('flow_grpo', 'grpo_guard', 'dance_grpo', 'tempflow_grpo', 'path_space', 'awm', 'diffusion_nft'):\n"
     "    get_policy_loss_fn(n)\n"
     "from verl.utils.device import get_device_name\nget_device_name()\n"
+    "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
+    "assert {'diffusion_sync', 'diffusion_async'} <= set(TRAINER_REGISTRY), sorted(TRAINER_REGISTRY)\n"
     "from transformers import CLIPImageProcessor, SiglipImageProcessor\n"
     "import diffusers\ndiffusers.StableDiffusion3Pipeline\nprint('ok')"
 )

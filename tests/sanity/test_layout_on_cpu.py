@@ -36,8 +36,8 @@ def test_every_test_file_says_where_it_runs():
 
 
 def test_plain_import_verl_registers_everything(fresh_import_verl):
-    """The issue's acceptance line: nothing imported by hand, a fresh process (tests/sanity/conftest.py: `import verl`,
-    then every estimator and loss through verl's getters)."""
+    """Nothing imported by hand, a fresh process (tests/sanity/conftest.py: `import verl`, then every estimator and
+    loss through verl's getters, and verl's V1 trainer registry holding diffusion_sync / diffusion_async)."""
     res = fresh_import_verl
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
@@ -45,5 +45,6 @@ def test_plain_import_verl_registers_everything(fresh_import_verl):
 def test_check_command_lists_registrations(check_command):
     res = check_command
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    for line in ("platform:cpu", "adv_estimator:flow_grpo", "policy_loss:flow_dppo", "policy_loss:path_space"):
+    for line in ("platform:cpu", "adv_estimator:flow_grpo", "policy_loss:flow_dppo", "policy_loss:path_space",
+                 "trainer:diffusion_sync", "trainer:diffusion_async"):
         assert line in res.stdout
