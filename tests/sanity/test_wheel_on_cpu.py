@@ -63,5 +63,5 @@ def test_recipe_and_data_script_from_a_scratch_directory(wheel_site, tmp_path):
     assert (tmp_path / "ocr_data" / "test.parquet").is_file()
     res = _run(site, tmp_path, "-m", "verl_diffusion.main_flowgrpo", "--list-recipes")
     assert res.returncode == 0, res.stderr[-2000:]
-    listed = [line.split()[0] for line in res.stdout.splitlines()[1:] if line.strip()]
+    listed = [line.split()[0] for line in res.stdout.splitlines()[1:] if line.strip() and not line.startswith(" ")]
     assert listed == sorted(p.stem for p in (REPO / "verl_diffusion" / "recipes").glob("*.yaml"))
