@@ -108,11 +108,13 @@ def test_default_run_exports_a_model_that_reproduces_its_validation(default_run,
     assert f"model: {model}" in out
     info = json.loads((model / "export_info.json").read_text())
     assert info["kind"] == "full" and info["step"] == DEFAULT_STEPS and info["weights"] == "trained"
+    # the README's three lines, as written there (stock diffusers, no verl_diffusion import)
     load = subprocess.run([sys.executable, "-c", "import sys\nfrom diffusers import DiffusionPipeline\n"
-                           f"p = DiffusionPipeline.from_pretrained({str(model)!r})\n"
-                           "print(type(p).__name__, 'verl_diffusion' in sys.modules)"],
+                           f"pipe = DiffusionPipeline.from_pretrained({str(model)!r})\n"
+                           "img = pipe('a red circle', height=32, width=32, num_inference_steps=10).images[0]\n"
+                           "print(type(pipe).__name__, img.size, 'verl_diffusion' in sys.modules)"],
                           capture_output=True, text=True, timeout=300)
-    assert load.stdout.split()[-2:] == ["StableDiffusion3Pipeline", "False"], load.stderr[-2000:]
+    assert load.stdout.split()[-4:] == ["StableDiffusion3Pipeline", "(32,", "32)", "False"], load.stderr[-2000:]
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.sample", "--model", str(model), "--reward", "shapes",
                           "--num-images", str(SAMPLE_CHECK_IMAGES), "--output", str(tmp_path / "sample")],
                          capture_output=True, text=True, timeout=1200)
