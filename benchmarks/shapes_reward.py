@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 from verl_diffusion.shapes.detect import score
-from verl_diffusion.shapes.world import BACKGROUND, compositions, make_metadata, render, sample_prompt, satisfies, scene_for
+from verl_diffusion.shapes.detect import satisfies
+from verl_diffusion.shapes.world import BACKGROUND, compositions, make_metadata, render, sample_prompt, scene_for
 
 HEADER = """# Shapes-world reward: detector accuracy and speed
 

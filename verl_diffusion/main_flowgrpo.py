@@ -336,7 +336,8 @@ def _run_locked(cfg, run_dir: str, platform: str, finalize: bool) -> dict:
     plan = plan_run_dir(cfg, run_dir)
     if plan.action == "finished":
         return {"run_dir": run_dir, "finished": True, "message": plan.message, "history": []}
-    from verl_diffusion.trainer.run_dir import RUN_LOG_NAME, tee_output
+    from verl_diffusion.process_log import tee_output
+    from verl_diffusion.trainer.run_dir import RUN_LOG_NAME
 
     try:
         log = tee_output(os.path.join(run_dir, RUN_LOG_NAME))

@@ -7,10 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from verl_diffusion.shapes.detect import Detection, detect, evaluate, score
+from verl_diffusion.shapes.detect import Detection, detect, evaluate, satisfies, score
 from verl_diffusion.shapes.world import (
-    BACKGROUND, COLOURS, SHAPES, TAGS, ObjectSpec, Scene, compositions, make_metadata, render, sample_prompt, satisfies,
-    scene_for,
+    BACKGROUND, COLOURS, SHAPES, TAGS, ObjectSpec, Scene, compositions, make_metadata, render, sample_prompt, scene_for,
 )
 
 N_PER_TAG = 25

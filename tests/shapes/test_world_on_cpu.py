@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from verl_diffusion.shapes import world
+from verl_diffusion.shapes.detect import satisfies
 from verl_diffusion.shapes.world import (
     COLOURS, SHAPES, TAGS, ObjectSpec, Scene, compositions, heldout_prompts, make_metadata, pretrain_sample, render,
-    sample_prompt, satisfies, scene_for, split_compositions, split_of,
+    sample_prompt, scene_for, split_compositions, split_of,
 )
 
 

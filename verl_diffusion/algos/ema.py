@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from verl_diffusion.algos.losses import check_choice
+from verl_diffusion.algos.checks import check_choice
 
 __all__ = ["ema_decay", "ParamEMA", "NFT_SCHEDULE_TYPES", "nft_old_policy_decay", "AWM_KL_EMA_MODES",
            "awm_kl_ema_decay", "soft_update_"]

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from verl_diffusion.algos.losses import check_choice
+from verl_diffusion.algos.checks import check_choice
 from verl_diffusion.algos.sde import SAMPLERS
 
 __all__ = ["KL_MODES", "KL_MODE_NEEDS", "reference_kl", "girsanov_weight"]

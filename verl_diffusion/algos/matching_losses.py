@@ -17,8 +17,10 @@ from typing import Optional
 import torch
 
 from verl_diffusion.algos.kl import reference_kl
-from verl_diffusion.algos.losses import LOSSES, LossSpec, check_choice, register_loss
-from verl_diffusion.algos.path_space import _bcast, _mean_e, transform_advantages
+from verl_diffusion.algos.checks import check_choice
+from verl_diffusion.algos.loss_spec import LOSSES, LossSpec, register_loss
+from verl_diffusion.algos.path_space import transform_advantages
+from verl_diffusion.algos.tensor_ops import bcast as _bcast, mean_e as _mean_e
 from verl_diffusion.algos.types import LossOutput, StateSource, StepBatch, StepNeeds, StepQuantities
 
 NFT_ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")

@@ -23,7 +23,9 @@ from typing import Optional
 import torch
 
 from verl_diffusion.algos.kl import KL_MODES, reference_kl
-from verl_diffusion.algos.losses import LOSSES, LossSpec, check_choice, register_loss
+from verl_diffusion.algos.checks import check_choice
+from verl_diffusion.algos.tensor_ops import bcast as _bcast, mean_e as _mean_e
+from verl_diffusion.algos.loss_spec import LOSSES, LossSpec, register_loss
 from verl_diffusion.algos.sde import SAMPLERS, StepCoefficients, step_mean
 from verl_diffusion.algos.types import LossOutput, StateSource, StepBatch, StepNeeds, StepQuantities
 
@@ -37,16 +39,6 @@ WEIGHT_RULES = ("family", "flow_grpo", "grpo_guard", "tempflow", "awm", "nft")
 ADVANTAGE_TRANSFORMS = ("none", "awm", "nft")
 # Default KDE bandwidth in the sum convention: h = d / 2000 (SPEC §7.4; 32.768 at d = 65,536).
 DEFAULT_BANDWIDTH_PER_ELEMENT = 1.0 / 2000.0
-
-
-def _bcast(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[B] -> [B, 1, ..., 1] matching ``like``'s rank."""
-    return s.reshape(s.shape[0], *([1] * (like.dim() - 1)))
-
-
-def _mean_e(u: torch.Tensor) -> torch.Tensor:
-    """Per-element mean over latent dims: [B, *] -> [B]."""
-    return u.flatten(1).mean(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -582,5 +574,4 @@ register_loss("path_space", needs=_DEFAULT_NEEDS & ~StepNeeds.REF_VELOCITY, batc
 LOSSES["path_space"] = PathSpaceLossSpec(**{f.name: getattr(LOSSES["path_space"], f.name)
                                             for f in dataclasses.fields(LossSpec)})
 
-# AWM and DiffusionNFT with their reference constants live in matching_losses.py.
-from verl_diffusion.algos import matching_losses  # noqa: E402,F401
+# AWM and DiffusionNFT with their reference constants live in matching_losses.py (losses.load_builtin_losses loads it).

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from verl_diffusion.algos.kl import KL_MODES, reference_kl
-from verl_diffusion.algos.losses import check_choice, register_loss
+from verl_diffusion.algos.checks import check_choice
+from verl_diffusion.algos.loss_spec import register_loss
 from verl_diffusion.algos.sde import SAMPLERS, gaussian_step_kl, log_ratio_exact
 from verl_diffusion.algos.types import LossOutput, StepBatch, StepNeeds, StepQuantities
 

@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 import torch
 
-from verl_diffusion.algos.losses import check_choice
+from verl_diffusion.algos.checks import check_choice
 
 __all__ = [
     "SAMPLERS",

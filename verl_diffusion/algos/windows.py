@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from verl_diffusion.algos.losses import check_choice
+from verl_diffusion.algos.checks import check_choice
 
 __all__ = ["WINDOW_MODES", "SdeWindowConfig", "window_start", "window_steps", "stochastic_steps",
            "window_bounds"]

@@ -432,3 +432,14 @@ def transformer_weight_files(path: Union[str, Path], subfolder: str = "transform
     if not files:
         raise FileNotFoundError(f"{folder} holds no .safetensors weights")
     return files
+
+
+def pad_text_rows(out: dict, length: int) -> None:
+    """Masked text (Qwen-Image: each rank pads to its own longest prompt) padded to ``length`` tokens in place, so
+    that the ranks' batches concatenate on the driver. The velocity trims padding again, so values do not change."""
+    for prefix in ("", "negative_"):
+        if f"{prefix}prompt_mask" not in out:
+            continue
+        cond = Conditioning.from_dict({k[len(prefix):]: out[k] for k in out if k.startswith(prefix + "prompt")
+                                       or k.startswith(prefix + "pooled_prompt")})
+        out.update({prefix + k: v for k, v in cond.pad_to(max(length, cond.prompt_embeds.shape[1])).as_dict().items()})

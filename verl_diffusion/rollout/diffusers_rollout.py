@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from verl_diffusion.algos.losses import check_choice
+from verl_diffusion.algos.checks import check_choice
 from verl_diffusion.algos.sde import (LOG_PROB_CONVENTIONS, SAMPLERS, StepCoefficients, make_grid,
                                       sampler_coefficients, sde_step, step_mean)
 from verl_diffusion.algos.windows import SdeWindowConfig, stochastic_steps, window_steps

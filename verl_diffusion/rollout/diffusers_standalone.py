@@ -118,9 +118,9 @@ class StandaloneDiffusersAdapter:
 
         from verl_diffusion.algos.losses import get_loss_spec
         from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout
-        from verl_diffusion.workers.engine import inject_lora
-        from verl_diffusion.workers.worker import (adapter_kwargs, build_rollout_config, diffusion_model_config,
-                                                   model_adapter_cls, torch_dtype)
+        from verl_diffusion.models.lora import inject_lora
+        from verl_diffusion.rollout.settings import (adapter_kwargs, build_rollout_config, lora_settings,
+                                                     model_adapter_cls, torch_dtype)
 
         self.config = config
         self.model_config = model_config
@@ -133,7 +133,7 @@ class StandaloneDiffusersAdapter:
         self.lora = int(model_config.get("lora_rank", 0) or 0) > 0
         if self.lora:
             # The actor's LoRA layers (same targets, rank, alpha, names); their values arrive with the first sync.
-            inject_lora(module, diffusion_model_config(model_config, lora=True))
+            inject_lora(module, lora_settings(model_config))
         module.requires_grad_(False)
         module.eval()
         self.module = module
@@ -180,7 +180,8 @@ class StandaloneDiffusersAdapter:
             seeds = [int(s) for s in prompts.non_tensor_batch["seed"]]
             images = self.rollout.generate_ode(texts, seeds=seeds, num_steps=meta.get("num_steps", None))
             return DataProto.from_dict(tensors={"images": images}, meta_info=self._meta({}))
-        from verl_diffusion.workers.worker import _pad_text, branched_settings
+        from verl_diffusion.models.base import pad_text_rows as _pad_text
+        from verl_diffusion.rollout.settings import branched_settings
 
         uids = prompts.non_tensor_batch["uid"]
         _, group_ids = np.unique(np.asarray(uids).astype(str), return_inverse=True)
@@ -244,7 +245,7 @@ def _make_worker_class():
         """verl ``CheckpointEngineWorker`` around :class:`StandaloneDiffusersAdapter`, plus the server methods."""
 
         def __init__(self, rollout_config, model_config, loss_mode: str = "flow_grpo", replica_rank: int = 0):
-            from verl_diffusion.workers.worker import init_cpu_process_group
+            from verl_diffusion.distributed import init_cpu_process_group
 
             init_cpu_process_group()   # verl's worker would ask for "cpu:gloo,<device>:<backend>" on its own
             adapter = StandaloneDiffusersAdapter(config=rollout_config, model_config=model_config,

@@ -1,8 +1,8 @@
-"""The shapes world (issue 9): a renderer of small scenes of coloured shapes, GenEval-style prompts
+"""The shapes world: a renderer of small scenes of coloured shapes, GenEval-style prompts
 with a fixed train / held-out split of their compositions, and a detector that scores an image against a
 prompt. Pure numpy; see ``world`` and ``detect``."""
 
-from verl_diffusion.shapes.detect import Detection, ScoreResult, detect, evaluate, score
+from verl_diffusion.shapes.detect import Detection, ScoreResult, detect, evaluate, satisfies, score
 from verl_diffusion.shapes.world import (
     BACKGROUND,
     COLOURS,
@@ -18,7 +18,6 @@ from verl_diffusion.shapes.world import (
     pretrain_sample,
     render,
     sample_prompt,
-    satisfies,
     scene_for,
     split_compositions,
     split_of,

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_diffusion.shapes.world import BACKGROUND, COLOURS, SHAPES, relation_holds, shape_signed_distance
+from verl_diffusion.shapes.world import BACKGROUND, COLOURS, SHAPES, Scene, relation_holds, shape_signed_distance
 
 ALPHA_RANGE = (0.25, 1.8)
 # A colour blob counts if its 90th-percentile mixing weight reaches this (fainter blobs are noise); its
@@ -294,3 +294,9 @@ def evaluate(detections: Sequence[Detection], metadata: Mapping) -> ScoreResult:
 def score(image: np.ndarray, metadata: Mapping) -> ScoreResult:
     """Detect the objects of a uint8 [H, W, 3] image and evaluate them against GenEval metadata."""
     return evaluate(detect(image), metadata)
+
+
+def satisfies(scene: Scene, metadata: Mapping) -> bool:
+    """Ground truth: whether the scene's objects satisfy the prompt exactly (the strict rule of detect.score)."""
+    dets = [Detection(o.shape, o.colour, o.x, o.y, o.size * o.size) for o in scene.objects]
+    return evaluate(dets, metadata).strict

@@ -24,7 +24,7 @@ GenEval reward reads): ``{"tag", "prompt", "include": [{"class", "count", "color
 As in GenEval, a position requirement says where include[i] is relative to include[position[1]]; the
 subject of the sentence is the second include. Objects named in one prompt always have distinct shapes,
 so no detected object can match two requirements. The scene satisfies a prompt exactly when it holds the
-named objects in the named counts, nothing else, and the relation (``satisfies``; ``detect.score`` applies
+named objects in the named counts, nothing else, and the relation (``detect.satisfies``; ``detect.score`` applies
 the same rule to detected objects).
 
 Compositions and the split. A composition is what a prompt asks for, independent of word order:
@@ -385,11 +385,3 @@ def scene_for(metadata: Mapping, rng: np.random.Generator, size: int = DEFAULT_I
             order = rng.permutation(n)
             return Scene(tuple(ObjectSpec(objs[k][0], objs[k][1], float(sizes[k]), float(xs[k]), float(ys[k])) for k in order))
     raise RuntimeError(f"scene_for: no layout found for {metadata.get('prompt')!r} at {size} px in {max_tries} tries")
-
-
-def satisfies(scene: Scene, metadata: Mapping) -> bool:
-    """Ground truth: whether the scene's objects satisfy the prompt exactly (the strict rule of detect.score)."""
-    from verl_diffusion.shapes.detect import Detection, evaluate
-
-    dets = [Detection(o.shape, o.colour, o.x, o.y, o.size * o.size) for o in scene.objects]
-    return evaluate(dets, metadata).strict

@@ -18,7 +18,6 @@ On CPU use ``fsdp2`` (FSDP1's ``sync_module_states`` needs accelerator params).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ with warnings.catch_warnings():
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
 from verl_diffusion.models.base import transformer_class
+from verl_diffusion.models.lora import inject_lora  # noqa: F401  (the engine and standalone replicas share it)
 from verl_diffusion.workers.step_loss import (DiffusionStepLoss, rows_trained_at, run_step_loss, select_rows,
                                               step_log_probs, step_tensors)
 
@@ -207,32 +207,6 @@ def default_velocity_fn(module: torch.nn.Module) -> Callable:
                       pooled_projections=rows["pooled_prompt_embeds"], return_dict=False)[0]
 
     return velocity
-
-
-def inject_lora(module: torch.nn.Module, model_config) -> torch.nn.Module:
-    """peft LoRA layers injected into ``module`` in place (``DiffusionModelConfig``: rank, alpha, targets, init,
-    adapter path); only the adapter trains. The engine and a standalone rollout replica build the same layers."""
-    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-
-    targets = model_config.target_modules
-    targets = list(targets) if not isinstance(targets, str) else targets
-    cfg = LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha,
-                     target_modules=targets, init_lora_weights=model_config.init_lora_weights,
-                     bias="none")
-    module.requires_grad_(False)
-    inject_adapter_in_model(cfg, module, adapter_name="default")
-    if model_config.lora_adapter_path:
-        from safetensors.torch import load_file
-
-        path = model_config.lora_adapter_path
-        f = os.path.join(path, "adapter_model.safetensors") if os.path.isdir(path) else path
-        set_peft_model_state_dict(module, load_file(f), adapter_name="default")
-    base_dtype = next((p.dtype for n, p in module.named_parameters() if "lora_" not in n), None)
-    for name, p in module.named_parameters():
-        p.requires_grad_("lora_" in name)
-        if "lora_" in name and base_dtype is not None and p.dtype != base_dtype:
-            p.data = p.data.to(base_dtype)
-    return module
 
 
 class DiffusersFSDPEngine(FSDPEngine):

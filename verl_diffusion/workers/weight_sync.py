@@ -70,7 +70,7 @@ class WeightSyncSender:
         every backend but ``naive``). Every actor rank walks the weights: gathering a shard is collective. A LoRA
         actor sends its adapter tensors only. Returns the engine's ``weight_sync/...`` metrics (rank 0)."""
         from verl_diffusion.rollout.checkpoint_engine import actor_weights
-        from verl_diffusion.workers.worker import _reshard
+        from verl_diffusion.workers.resharding import reshard as _reshard
 
         backend = backend or self.weight_sync_backend()
         if backend != self.weight_sync_backend():

@@ -26,6 +26,11 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.device import get_device_name
 
+from verl_diffusion.distributed import init_cpu_process_group
+from verl_diffusion.models.base import pad_text_rows as _pad_text
+from verl_diffusion.rollout.settings import (  # noqa: F401  (re-exported: the translators' old home)
+    _plain, adapter_kwargs, branched_settings, build_rollout_config, lora_settings, model_adapter_cls, torch_dtype)
+from verl_diffusion.workers.resharding import reshard as _reshard, resharded_swap as _resharded_swap
 from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, prepare_steps
 from verl_diffusion.workers.weight_sync import WeightSyncSender
 
@@ -48,28 +53,6 @@ def _negative_cond(rows):
     if "negative_prompt_embeds" not in rows.keys():
         return None
     return Conditioning.from_dict({k[len("negative_"):]: rows[k] for k in rows.keys() if k.startswith("negative_")})
-
-
-def init_cpu_process_group() -> None:
-    """On the CPU platform, open the gloo group before verl does: verl builds the backend string
-    ``"cpu:gloo,cpu:gloo"``, which torch rejects (VERL_ON_CPU.md). Ray already set RANK / WORLD_SIZE /
-    MASTER_*; verl skips an initialised group."""
-    if get_device_name() != "cpu" or torch.distributed.is_initialized():
-        return
-    torch.distributed.init_process_group(
-        backend="gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"dtype={name!r} is unknown; choose one of {sorted(table)}")
-    return table[name]
-
-
-def _plain(node) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def loss_knobs(policy_loss: Any) -> dict:
@@ -95,84 +78,15 @@ def loss_knobs_for(arr_config) -> dict:
     return knobs
 
 
-def build_rollout_config(rollout_cfg: DictConfig):
-    """Our RolloutConfig from ``actor_rollout_ref.rollout`` (sde.{type,noise_level,window}, steps, size)."""
-    from verl_diffusion.rollout.diffusers_rollout import RolloutConfig
-
-    sde = _plain(rollout_cfg.get("sde", {})) or {}
-    res = rollout_cfg.get("resolution", 512)
-    return RolloutConfig(
-        num_steps=int(rollout_cfg.get("num_steps", 10)),
-        grid=str(rollout_cfg.get("grid", "scheduler")),
-        shift=float(rollout_cfg.get("shift", 3.0)),
-        sampler=str(sde.get("type", "flow_sde")),
-        noise_level=float(sde.get("noise_level", 0.7)),
-        window=dict(sde.get("window", {}) or {}),
-        log_prob_convention=str(sde.get("log_prob_convention", "exact")),
-        same_noise_per_group=bool(rollout_cfg.get("same_noise_per_group", False)),
-        guidance_scale=float(rollout_cfg.get("guidance_scale", 1.0)),
-        negative_prompt=str(rollout_cfg.get("negative_prompt", "") or ""),
-        height=int(res), width=int(res),
-        micro_batch_size=int(rollout_cfg.get("micro_batch_size", 8)),
-        store_velocities=False,
-        val_num_steps=int(rollout_cfg.get("val_num_steps", 40)),
-    )
-
-
-def model_adapter_cls(model_cfg):
-    """The adapter class of ``actor_rollout_ref.model``: ``architecture`` when set, else the one the model
-    directory's ``model_index.json`` names (models.PIPELINE_ARCHITECTURES)."""
-    from verl_diffusion.models import adapter_for_path, get_adapter_cls
-
-    name = model_cfg.get("architecture", None)
-    return get_adapter_cls(str(name)) if name else adapter_for_path(str(model_cfg.path))
-
-
-def adapter_kwargs(model_cfg) -> dict:
-    """``actor_rollout_ref.model.adapter_kwargs`` (constructor options of the adapter, e.g. FLUX.1's
-    distilled_guidance_scale), checked against the adapter's signature."""
-    import inspect
-
-    kwargs = dict(_plain(model_cfg.get("adapter_kwargs", None)) or {})
-    cls = model_adapter_cls(model_cfg)
-    params = inspect.signature(cls.__init__).parameters
-    unknown = sorted(set(kwargs) - {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY})
-    if unknown:
-        accepted = sorted(n for n, p in params.items() if p.kind == p.KEYWORD_ONLY)
-        raise ValueError(f"model.adapter_kwargs has {unknown}, which {cls.__name__} does not take; accepted: {accepted}")
-    return kwargs
-
-
-def branched_settings(rollout_cfg) -> Optional[dict]:
-    """``actor_rollout_ref.rollout.branched`` as {num_children, branch_steps (sorted list)} when enabled, else None."""
-    from verl_diffusion.rollout.branched import resolve_branch_steps
-
-    br = _plain(rollout_cfg.get("branched", None)) or {}
-    if not bool(br.get("enabled", False)):
-        return None
-    kb = br.get("num_children", 2)
-    if isinstance(kb, bool) or not isinstance(kb, int) or kb < 2:
-        raise ValueError(f"rollout.branched.num_children={kb!r} must be an int >= 2 (the process advantages are "
-                         "normalised across the children of one (prompt, k); one child gets 0)")
-    steps = resolve_branch_steps(br.get("branch_steps", None), int(rollout_cfg.get("num_steps", 10)))
-    return {"num_children": kb, "branch_steps": steps}
-
-
 def diffusion_model_config(m, *, lora: bool):
-    """The engine's DiffusionModelConfig from ``actor_rollout_ref.model`` (also what a standalone replica builds)."""
+    """The engine's DiffusionModelConfig from ``actor_rollout_ref.model`` (LoRA settings: rollout/settings.py)."""
     from verl_diffusion.workers.engine import DiffusionModelConfig
 
-    targets = _plain(m.get("target_modules", None))
-    if targets in (None, "all-linear"):
-        # The architecture's own list: every attention / feed-forward projection (Qwen-Image, FLUX), or
-        # Flow-GRPO's joint-attention projections (SD3).
-        targets = model_adapter_cls(m).LORA_TARGETS
-        targets = targets if isinstance(targets, str) else list(targets)
+    ls = lora_settings(m)
     return DiffusionModelConfig(
         path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
-        lora_rank=int(m.get("lora_rank", 0)) if lora else 0, lora_alpha=int(m.get("lora_alpha", 16)),
-        target_modules=targets, init_lora_weights=m.get("init_lora_weights", True),
-        lora_adapter_path=m.get("lora_adapter_path", None),
+        lora_rank=ls.lora_rank if lora else 0, lora_alpha=ls.lora_alpha, target_modules=ls.target_modules,
+        init_lora_weights=ls.init_lora_weights, lora_adapter_path=ls.lora_adapter_path,
         enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
 
 
@@ -181,7 +95,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
 
     def __init__(self, config: DictConfig, role: str = "actor_rollout", log_dir: Optional[str] = None):
         if log_dir:   # this worker's output into the run directory (logs/worker_<rank>.log), not the console
-            from verl_diffusion.trainer.run_dir import redirect_process_output
+            from verl_diffusion.process_log import redirect_process_output
 
             redirect_process_output(os.path.join(log_dir, f"worker_{os.environ.get('RANK', '0')}.log"))
         init_cpu_process_group()
@@ -531,42 +445,6 @@ def full_state_dict(module: torch.nn.Module, *, trainable_only: bool, keep: bool
         if keep:
             out[key] = full.detach().to("cpu", copy=True)
     return out
-
-
-def _pad_text(out: dict, length: int) -> None:
-    """Masked text (Qwen-Image: each rank pads to its own longest prompt) padded to ``length`` tokens in place, so
-    that the ranks' batches concatenate on the driver. The velocity trims padding again, so values do not change."""
-    from verl_diffusion.models.base import Conditioning
-
-    for prefix in ("", "negative_"):
-        if f"{prefix}prompt_mask" not in out:
-            continue
-        cond = Conditioning.from_dict({k[len(prefix):]: out[k] for k in out if k.startswith(prefix + "prompt")
-                                       or k.startswith(prefix + "pooled_prompt")})
-        out.update({prefix + k: v for k, v in cond.pad_to(max(length, cond.prompt_embeds.shape[1])).as_dict().items()})
-
-
-def _reshard(engine) -> None:
-    """With ``reshard_after_forward=false`` FSDP2 keeps unsharded parameters after a no-grad forward; reshard
-    before anything reads or writes the sharded parameters directly (EMA / θ_old swap, checkpoint).
-    ``FSDPModule.reshard()`` is not recursive: reshard every FSDP-wrapped submodule (the blocks), not only the root."""
-    module = getattr(engine, "module", None)
-    if module is None:
-        return
-    for m in module.modules():
-        if hasattr(m, "reshard") and callable(m.reshard) and hasattr(m, "unshard"):
-            m.reshard()
-
-
-@contextlib.contextmanager
-def _resharded_swap(engine, holder):
-    """``holder.swap_in()`` on the sharded parameters: reshard before swapping in and before restoring."""
-    _reshard(engine)
-    with holder.swap_in():
-        try:
-            yield
-        finally:
-            _reshard(engine)
 
 
 def _max_rss_gb() -> float:

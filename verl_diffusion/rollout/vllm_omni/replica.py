@@ -225,7 +225,7 @@ class VllmOmniServerAdapter(BaseRollout):
 
     def __init__(self, *args: Any, config, model_config, device_mesh=None, replica_rank: int = 0,
                  start_engine: bool = True, **kwargs: Any):
-        from verl_diffusion.workers.worker import adapter_kwargs, build_rollout_config
+        from verl_diffusion.rollout.settings import adapter_kwargs, build_rollout_config
 
         self.config = config
         self.model_config = model_config
@@ -343,7 +343,7 @@ def _lora_targets(model_config) -> list[str] | str:
     resolves them (workers/worker.py ``_model_config``): the injected LoRA must match the actor's."""
     targets = _get(model_config, "target_modules", None)
     if targets in (None, "all-linear"):
-        from verl_diffusion.workers.worker import model_adapter_cls
+        from verl_diffusion.rollout.settings import model_adapter_cls
 
         targets = model_adapter_cls(model_config).LORA_TARGETS
     return targets if isinstance(targets, str) else list(targets)
