@@ -339,15 +339,13 @@ def _run_locked(cfg, run_dir: str, platform: str, finalize: bool) -> dict:
     from verl_diffusion.process_log import tee_output
     from verl_diffusion.trainer.run_dir import RUN_LOG_NAME
 
+    log_path = os.path.join(run_dir, RUN_LOG_NAME)
     try:
-        log = tee_output(os.path.join(run_dir, RUN_LOG_NAME))
-        log.__enter__()
+        open(log_path, "a").close()
     except OSError as e:
-        raise ConfigError(f"trainer.run_dir: cannot write {e.filename or run_dir}: {e.strerror or e}") from None
-    try:
+        raise ConfigError(f"trainer.run_dir: cannot write {log_path}: {e.strerror or e}") from None
+    with tee_output(log_path):
         return _run_planned(cfg, run_dir, plan, platform, finalize)
-    finally:
-        log.__exit__(None, None, None)
 
 
 def _run_planned(cfg, run_dir: str, plan, platform: str, finalize: bool) -> dict:
@@ -505,8 +503,8 @@ def _hydra_main():
 
 
 def recipe_lines(folder: str) -> list[str]:
-    """One line per recipe of ``folder``: name, loss, advantage estimator, reward, GPUs, LoRA, image size, and the
-    first line of its header comment (model, paper)."""
+    """Per recipe of ``folder``: a line with its name, loss, reward, GPUs, LoRA, image size and GPU estimate
+    (verl_diffusion/hardware.py), then the first line of its header comment (model, paper), indented."""
     from hydra import compose, initialize_config_dir
 
     from verl_diffusion.hardware import estimate

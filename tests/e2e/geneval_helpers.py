@@ -15,9 +15,10 @@ def geneval_prompts(path):
     return str(path)
 
 
-def geneval_server(die_after_train_requests=None):
+def geneval_server(die_after_train_requests=None, fail_train_requests=False):
     """A loopback GenEval server (coloured-box scorer). With ``die_after_train_requests=k`` it stops listening while
-    answering the k-th training request (32 images), so the run's step k+1 is the first to find it gone."""
+    answering the k-th training request (32 images), so the run's step k+1 is the first to find it gone. With
+    ``fail_train_requests`` it answers every training request with HTTP 500 (the preflight check still passes)."""
     import threading
     from http.server import ThreadingHTTPServer
 
@@ -26,6 +27,8 @@ def geneval_server(die_after_train_requests=None):
     scorer, seen = ColorBlobScorer({"cup": (200, 0, 200)}), []
 
     def score(images, metas, only_strict):
+        if fail_train_requests and len(images) == 32:
+            raise RuntimeError("this test server fails every training request")
         out = scorer(images, metas, only_strict)
         if die_after_train_requests and len(images) == 32:
             seen.append(1)

@@ -304,14 +304,14 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         """What a checkpoint (``model_info.json``) and an exported model (``export_info.json``) say about the
         weights: the base model, the LoRA settings, the algorithm and reward, the latest validation, and the
         sampling settings of the validation (what ``python -m verl_diffusion.sample`` reuses)."""
-        from verl_diffusion.workers.worker import diffusion_model_config
+        from verl_diffusion.rollout.settings import lora_settings
 
         a = self.config.actor_rollout_ref
         lora = None
         if self.worker_info.get("lora"):
-            mc = diffusion_model_config(a.model, lora=True)
-            targets = mc.target_modules
-            lora = {"rank": int(mc.lora_rank), "alpha": float(mc.lora_alpha),
+            ls = lora_settings(a.model)
+            targets = ls.target_modules
+            lora = {"rank": int(ls.lora_rank), "alpha": float(ls.lora_alpha),
                     "target_modules": targets if isinstance(targets, str) else [str(t) for t in targets]}
         r = a.rollout
         val = self.val_history[-1] if self.val_history else {}
@@ -757,6 +757,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         self._export(final)
         failed = self.reward_health.failed_throughout()
         if failed:   # a run shorter than the failure budget's window whose reward never worked: not a success
+            self.global_steps = final     # the loop left it one past the last step
             self._save_checkpoint()
             write_run_state(self.run_dir, "stopped", final, reason=failed)
             if hasattr(logger, "finish"):
