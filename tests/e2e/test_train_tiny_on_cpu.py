@@ -168,6 +168,10 @@ def test_reward_fault_budget_sigterm_and_resumes_keep_every_step(tmp_path, sessi
     import torch
 
     assert torch.load(run_dir / "validation" / "baseline.pt", weights_only=True)["step"] == 0
+    # the last segment's summary covers the whole run (every segment's rows and validations, from the run's files)
+    k = max(1, end // 4)
+    first = sum(r["reward/mean"] for r in rows[1:k + 1]) / k
+    assert f"reward: first {k} steps {first:.4f} -> " in out and f"validation step 0 -> {end}: reward " in out, out[-2000:]
     assert f"before_after: {run_dir}/before_after.png" in out and json.loads(
         (run_dir / "run_state.json").read_text()) == {"status": "finished", "step": end}
 
