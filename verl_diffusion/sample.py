@@ -34,9 +34,11 @@ def load_adapter(model: str, lora: Optional[str], *, device: str, dtype: str):
     """Our adapter over the stock pipeline loaded from ``model``, with ``lora`` loaded by diffusers'
     ``load_lora_weights`` (the transformer the sampler calls is the pipeline's own)."""
     import torch
+    from diffusers.utils import logging as diffusers_logging
 
     from verl_diffusion.models import adapter_for_path
 
+    diffusers_logging.disable_progress_bar()   # the loading bars: the command prints its own progress
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     adapter = adapter_for_path(model).from_pretrained(model, dtype=dtypes[dtype], device=device)
     if lora:
