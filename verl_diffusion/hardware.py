@@ -56,7 +56,7 @@ def architecture_of_recipe(name: str):
 def estimate(name: str, cfg) -> "Estimate | None":
     """The estimate for recipe ``name`` composed as ``cfg`` (None for the CPU demo)."""
     from verl_diffusion.algos.windows import window_steps
-    from verl_diffusion.workers.worker import branched_settings, build_rollout_config
+    from verl_diffusion.rollout.settings import branched_settings, build_rollout_config
 
     arch = architecture_of_recipe(name)
     if arch is None:

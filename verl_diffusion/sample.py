@@ -54,7 +54,8 @@ def sample(args) -> dict:
     from verl_diffusion.main_flowgrpo import resolve_path
     from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, RolloutConfig
     from verl_diffusion.trainer.dataset import METADATA_KEYS, PromptDataset
-    from verl_diffusion.trainer.validation import pick_examples, read_validation_scores, write_validation_scores
+    from verl_diffusion.trainer.validation import (
+        pick_examples, read_validation_scores, save_sheet, write_validation_scores)
 
     info = export_info(args.model, args.lora)
     s = info.get("sampling") or {}
@@ -109,34 +110,11 @@ def sample(args) -> dict:
         with open(os.path.join(out, "scores.jsonl"), "w") as f:
             for p, sd in zip(prompts, seeds):
                 f.write(json.dumps({"prompt": p, "seed": sd}) + "\n")
-    contact_sheet(images, prompts, rows_out, pick_examples(prompts, 48), os.path.join(out, "grid.png"))
+    save_sheet([images], os.path.join(out, "grid.png"), prompts=prompts, idx=pick_examples(prompts, 48),
+               row_sets=[rows_out], thumb=160, cols=6)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
-
-
-def contact_sheet(images, prompts, rows, idx, path) -> str:
-    """A captioned contact sheet of ``idx``: thumbnails with the prompt and verdict under each."""
-    from PIL import Image, ImageDraw
-
-    from verl_diffusion.trainer.validation import _font, _thumb, _wrap, verdict
-
-    thumb, cols, gap, text_h = 160, 6, 10, 3 * 16 + 18
-    font, small = _font(13), _font(12)
-    n_rows = max(1, -(-len(idx) // cols))
-    canvas = Image.new("RGB", (min(cols, max(1, len(idx))) * (thumb + gap) + gap, n_rows * (thumb + text_h + gap) + gap),
-                       "white")
-    draw = ImageDraw.Draw(canvas)
-    for k, i in enumerate(idx):
-        r, c = divmod(k, cols)
-        x, y = gap + c * (thumb + gap), gap + r * (thumb + text_h + gap)
-        canvas.paste(_thumb(images[i], thumb), (x, y))
-        text, colour = verdict(rows[i] if i < len(rows) else None)
-        draw.text((x + 2, y + thumb + 2), text, fill=colour, font=font)
-        for m, line in enumerate(_wrap(draw, str(prompts[i]), small, thumb, 3)):
-            draw.text((x, y + thumb + 18 + 16 * m), line, fill=(0, 0, 0), font=small)
-    canvas.save(path)
-    return path
 
 
 def main(argv: Optional[list] = None) -> None:

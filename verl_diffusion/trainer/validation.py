@@ -113,39 +113,52 @@ def _wrap(draw, text: str, font, width: int, lines: int) -> list[str]:
     return out
 
 
-def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, prompts: Sequence[str],
-                      before_rows: Sequence[Optional[dict]] = (), after_rows: Sequence[Optional[dict]] = (),
-                      labels: Sequence[str] = ("before", "after"), n_max: int = 24, thumb: int = 128,
-                      cols: int = 4) -> str:
-    """A readable before/after sheet: at most ``n_max`` prompts (:func:`pick_examples`), each as a cell with the
-    image before training and after it (same prompt and noise) side by side, thumbnails of ``thumb`` px, the
-    prompt under them and each image's verdict (✓/✗ and reward, from the validation's per-image rows). The full
-    set stays in ``validation/``."""
+def save_sheet(image_sets: Sequence[torch.Tensor], path: str, *, prompts: Sequence[str], idx: Sequence[int],
+               row_sets: Sequence[Sequence[Optional[dict]]] = (), title: Optional[str] = None, thumb: int = 128,
+               cols: int = 4) -> str:
+    """A captioned sheet of the images ``idx``: one cell per index with the image of every set side by side
+    (``thumb`` px thumbnails), each image's verdict (✓/✗ and reward, from its set's per-image rows) under it and the
+    prompt under the cell; ``title`` on a line above."""
     from PIL import Image, ImageDraw
 
-    idx = pick_examples(list(prompts), n_max)
     font, small = _font(13), _font(12)
-    gap, text_h, head = 10, 3 * 16 + 18, 28
-    cell_w = 2 * thumb + 4
+    gap, text_h = 10, 3 * 16 + 18
+    head = 28 if title else gap
+    cell_w = len(image_sets) * (thumb + 4) - 4
     rows = int(math.ceil(len(idx) / cols)) or 1
     width = min(cols, len(idx) or 1) * (cell_w + gap) + gap
-    canvas = Image.new("RGB", (width, head + rows * (thumb + text_h + gap) + gap), "white")
+    height = head + rows * (thumb + text_h + gap) + (gap if title else 0)
+    canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
-    draw.text((gap, 6), f"left: {labels[0]}   right: {labels[1]}   (same prompt and noise; {len(idx)} of "
-                        f"{len(prompts)} validation images)", fill=(0, 0, 0), font=font)
+    if title:
+        draw.text((gap, 6), title, fill=(0, 0, 0), font=font)
     for k, i in enumerate(idx):
         r, c = divmod(k, cols)
         x, y = gap + c * (cell_w + gap), head + r * (thumb + text_h + gap)
-        canvas.paste(_thumb(before[i], thumb), (x, y))
-        canvas.paste(_thumb(after[i], thumb), (x + thumb + 4, y))
-        for j, rows_ in enumerate((before_rows, after_rows)):
-            text, colour = verdict(rows_[i] if i < len(rows_) else None)
+        for j, images in enumerate(image_sets):
+            canvas.paste(_thumb(images[i], thumb), (x + j * (thumb + 4), y))
+            set_rows = row_sets[j] if j < len(row_sets) else ()
+            text, colour = verdict(set_rows[i] if i < len(set_rows) else None)
             draw.text((x + j * (thumb + 4) + 2, y + thumb + 2), text, fill=colour, font=font)
         for m, line in enumerate(_wrap(draw, str(prompts[i]), small, cell_w, 3)):
             draw.text((x, y + thumb + 18 + 16 * m), line, fill=(0, 0, 0), font=small)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     canvas.save(path)
     return path
+
+
+def save_before_after(before: torch.Tensor, after: torch.Tensor, path: str, *, prompts: Sequence[str],
+                      before_rows: Sequence[Optional[dict]] = (), after_rows: Sequence[Optional[dict]] = (),
+                      labels: Sequence[str] = ("before", "after"), n_max: int = 24, thumb: int = 128,
+                      cols: int = 4) -> str:
+    """A readable before/after sheet (:func:`save_sheet`): at most ``n_max`` prompts (:func:`pick_examples`), each
+    cell the image before training and after it (same prompt and noise) side by side with their verdicts. The full
+    set stays in ``validation/``."""
+    idx = pick_examples(list(prompts), n_max)
+    title = (f"left: {labels[0]}   right: {labels[1]}   (same prompt and noise; {len(idx)} of {len(prompts)} "
+             "validation images)")
+    return save_sheet([before, after], path, prompts=prompts, idx=idx, row_sets=[before_rows, after_rows],
+                      title=title, thumb=thumb, cols=cols)
 
 
 def read_validation_scores(path: str) -> list[dict]:
