@@ -1,6 +1,6 @@
 """Hydra entry point: ``python -m verl_diffusion.main_flowgrpo [--config-name NAME] [key=value ...]``.
 
-With no arguments it runs the shapes world on the CPU (``config/shapes_cpu.yaml``, issue 9): the packaged pretrained
+With no arguments it runs the shapes world on the CPU (``config/shapes_cpu.yaml``): the packaged pretrained
 shapes model fine-tuned with the ``shapes`` reward through 2 Ray workers, a progress line per step, the held-out strict
 accuracy and reward at each validation and their gain at the end; a reward/accuracy-curve PNG and a before/after grid.
 ``--config-name tiny_cpu`` is the JPEG demo on a tiny random SD3.
@@ -510,9 +510,7 @@ def recipe_lines(folder: str) -> list[str]:
     from verl_diffusion.hardware import estimate
 
     names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
-    argv = ["main_flowgrpo"]
-    add_search_path(argv)
-    search = [a for a in argv if a.startswith("hydra.searchpath")]
+    search = searchpath_overrides()
     lines = []
     with initialize_config_dir(config_dir=folder, version_base="1.3"):
         for name in names:
@@ -578,6 +576,13 @@ def recipes_dir() -> str:
     import importlib.resources
 
     return str(importlib.resources.files("verl_diffusion").joinpath("recipes"))
+
+
+def searchpath_overrides() -> list[str]:
+    """The ``hydra.searchpath=[...]`` override that :func:`add_search_path` adds, for composing a recipe in code."""
+    argv = ["main_flowgrpo"]
+    add_search_path(argv)
+    return [a for a in argv if a.startswith("hydra.searchpath")]
 
 
 def add_search_path(argv: list) -> None:

@@ -1,4 +1,4 @@
-"""Targeted filters for third-party log lines that look alarming but report nothing wrong here (issue 12 item 14).
+"""Targeted filters for third-party log lines that look alarming but report nothing wrong here.
 
 Each filter drops one known message on one named logger; nothing is silenced globally. Installed from
 ``verl_diffusion.plugin`` (every process, driver and Ray workers).

@@ -109,11 +109,9 @@ def recipes_with_sources() -> list[str]:
 def render_all() -> str:
     from hydra import compose, initialize_config_dir
 
-    from verl_diffusion.main_flowgrpo import add_search_path, recipes_dir
+    from verl_diffusion.main_flowgrpo import recipes_dir, searchpath_overrides
 
-    argv = ["main_flowgrpo"]
-    add_search_path(argv)
-    search = [a for a in argv if a.startswith("hydra.searchpath")]
+    search = searchpath_overrides()
     parts = [BEGIN, ""]
     with initialize_config_dir(config_dir=recipes_dir(), version_base="1.3"):
         for name in recipes_with_sources():

@@ -1,4 +1,4 @@
-"""The only module that touches verl's registries (DESIGN §4, names of DESIGN §5).
+"""The only module that touches verl's registries.
 
 ``register_all()`` is called by ``verl_diffusion.plugin`` (the ``verl.plugins`` entry point) in every
 process that imports verl, Ray workers included. Order matters: the CPU platform is registered before
@@ -15,7 +15,7 @@ from verl_diffusion.algos.losses import LOSSES, LossSpec, load_builtin_losses
 from verl_diffusion.algos.ratio_losses import KL_BATCH_KEYS
 from verl_diffusion.algos.types import StepBatch, StepNeeds, StepQuantities
 
-# The advantage estimators we add to verl's `algorithm.adv_estimator` (DESIGN §5).
+# The advantage estimators we add to verl's `algorithm.adv_estimator`.
 ADV_ESTIMATORS = ("flow_grpo", "flow_grpo_gdpo", "flow_grpo_batch")
 
 _REGISTERED: list[str] = []

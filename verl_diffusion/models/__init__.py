@@ -1,4 +1,4 @@
-"""Model adapters, one per architecture (STYLE §7). Resolved lazily: importing this package imports no
+"""Model adapters, one per architecture. Resolved lazily: importing this package imports no
 diffusers code.
 
 An adapter is chosen by name (``actor_rollout_ref.model.architecture``) or, by default, by the diffusers

@@ -1,4 +1,4 @@
-"""What every model adapter provides: primitives only (STYLE §7, DESIGN §2).
+"""What every model adapter provides: primitives only.
 
 An adapter wraps one architecture's diffusers components and exposes the few operations the rollout and
 the engine combine: encode prompts, evaluate the velocity v_θ(x_t, t, c) (SPEC §0.1), decode latents,

@@ -1,4 +1,4 @@
-"""Shapes-world reward (issue 9): detect the objects of each image by colour and geometry and score them
+"""Shapes-world reward: detect the objects of each image by colour and geometry and score them
 against the row's GenEval-style metadata (verl_diffusion/shapes/detect.py has the rule).
 
 Metadata comes from ``reward_model.ground_truth`` (JSON text or a dict, as data_process/shapes.py

@@ -1,5 +1,5 @@
 """Weight sync from the training workers to standalone rollout replicas: a checkpoint-engine backend in verl's
-``CheckpointEngineRegistry`` (DESIGN §3.7, §4 "weight sync"; docs/replica_modes.md).
+``CheckpointEngineRegistry`` (docs/replica_modes.md).
 
 ``diffusion_gloo`` broadcasts bucketed weights from actor rank 0 to every rollout worker over a gloo process
 group of its own (a ``TCPStore`` + ``ProcessGroupGloo``, separate from the training group). Gloo moves CPU

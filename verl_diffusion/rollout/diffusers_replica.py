@@ -1,4 +1,4 @@
-"""The ``diffusers`` rollout replica in verl's replica registry, colocated with the actor (DESIGN §3 step 2, §4).
+"""The ``diffusers`` rollout replica in verl's replica registry, colocated with the actor (docs/replica_modes.md).
 
 Three small pieces, the shape of verl's own hybrid replicas (``verl/workers/rollout/replica.py``):
 

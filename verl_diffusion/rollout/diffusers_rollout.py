@@ -1,4 +1,4 @@
-"""In-worker diffusers rollout: our own sampling loop over a model adapter and ``algos.sde`` (DESIGN §3.2).
+"""In-worker diffusers rollout: our own sampling loop over a model adapter and ``algos.sde`` (docs/data_flow.md).
 
 Every step, stochastic or not, goes through :mod:`verl_diffusion.algos.sde` (``sampler_coefficients``,
 ``step_mean``, ``sde_step``), the functions the engine calls again in training; the rollout stores exactly

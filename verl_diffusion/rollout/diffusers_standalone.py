@@ -1,5 +1,5 @@
 """The standalone ``diffusers`` replica: our sampler in Ray actors of its own, not colocated with the actor, receiving
-the actor's weights through a checkpoint-engine backend each step (DESIGN §3 step 2 and 7, §4; docs/replica_modes.md).
+the actor's weights through a checkpoint-engine backend each step (docs/replica_modes.md).
 
 Three pieces, in the shape of verl's standalone replicas (``verl/workers/rollout/replica.py``):
 

@@ -1,4 +1,4 @@
-"""The control half of verl's rollout-server API that a diffusion server answers with nothing (DESIGN §4).
+"""The control half of verl's rollout-server API that a diffusion server answers with nothing.
 
 verl's server manager and replicas call these on every server it knows; they exist for LLM engines. A diffusion
 request is one whole batch sampled with one weights version, so there is nothing in flight to abort or resume,

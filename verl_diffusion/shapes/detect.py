@@ -1,4 +1,4 @@
-"""Detection and scoring in the shapes world (issue 9): what a generated image shows, and how well it
+"""Detection and scoring in the shapes world: what a generated image shows, and how well it
 matches a prompt's GenEval metadata.
 
 Detection (``detect``), pure numpy:

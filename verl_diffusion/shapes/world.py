@@ -1,5 +1,5 @@
 """The shapes world: small scenes of coloured shapes, GenEval-style prompts about them, and a fixed
-split of prompt compositions into RL-train and held-out sets (issue 9).
+split of prompt compositions into RL-train and held-out sets.
 
 Pure Python + numpy (no torch, no network), deterministic from the caller's ``numpy.random.Generator``.
 

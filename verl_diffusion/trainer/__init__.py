@@ -1,1 +1,2 @@
-"""RayFlowGRPOTrainer (a subclass of verl's RayPPOTrainer), prompt dataset, metrics and validation."""
+"""verl's V1 trainers for images (``diffusion_sync``: RayFlowGRPOTrainer, ``diffusion_async``), the prompt dataset,
+the run directory and checkpoints, metrics, validation and the graceful stop."""

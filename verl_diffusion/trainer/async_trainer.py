@@ -1,5 +1,5 @@
 """``diffusion_async``: the standalone replica samples batch k+1 while the actor trains on batch k (one-step
-staleness; DESIGN §3, docs/replica_modes.md). Registered in verl's V1 trainer registry (``trainer.v1.trainer_mode``).
+staleness; docs/replica_modes.md). Registered in verl's V1 trainer registry (``trainer.v1.trainer_mode``).
 
 It is :class:`~verl_diffusion.trainer.flowgrpo_trainer.RayFlowGRPOTrainer` (the sync trainer) with three changes:
 

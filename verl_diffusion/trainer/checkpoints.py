@@ -1,4 +1,4 @@
-"""Checkpoint bookkeeping that survives a crash at any point (DESIGN §4 resume; issue 12 item 9).
+"""Checkpoint bookkeeping that survives a crash at any point.
 
 verl's layout stays: ``<ckpt_dir>/global_step_<k>/{actor/, data.pt}`` and ``latest_checkpointed_iteration.txt``.
 Added on top, trainer-independent:

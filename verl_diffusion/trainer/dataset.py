@@ -1,4 +1,4 @@
-"""Prompt datasets for image RL: no tokenizer, one row = one prompt (DESIGN §3 step 1).
+"""Prompt datasets for image RL: no tokenizer, one row = one prompt (docs/data_flow.md).
 
 Reads parquet (verl's layout: a ``prompt`` column holding a string or a chat list of
 ``{"role", "content"}``), jsonl (one object per line with ``prompt``) or txt (one prompt per line).

@@ -1,5 +1,5 @@
 """RayFlowGRPOTrainer: verl's V1 **sync** trainer (``PPOTrainerSync``) with the token-shaped parts replaced for
-images (DESIGN §3, §4). Registered in verl's V1 trainer registry as ``diffusion_sync`` (``trainer.v1.trainer_mode``).
+images (docs/data_flow.md). Registered in verl's V1 trainer registry as ``diffusion_sync`` (``trainer.v1.trainer_mode``).
 
 Reused from verl's V1 trainer: the trainer registry, ``init()`` (setup, then ``on_init_end``: the first weight
 sync), the sync hooks (``on_sample_end`` puts the replicas to sleep, ``on_step_end`` syncs the weights through

@@ -1,4 +1,4 @@
-"""Per-step reward-failure accounting for the driver (issue 12 items 2 and 4; rewards: docs/rewards.md).
+"""Per-step reward-failure accounting for the driver (rewards: docs/rewards.md).
 
 A failed reward never raises: its samples get the penalty and are counted (``RewardResult.failures``). This
 module turns the counts into what a user watching a long run needs:

@@ -1,4 +1,4 @@
-"""The run directory: what a run finds there decides what it does, and nothing is lost (issue 12 items 6-8).
+"""The run directory: what a run finds there decides what it does, and nothing is lost.
 
 Layout (``trainer.run_dir``, default ``./outputs/<experiment_name>`` under the working directory)::
 

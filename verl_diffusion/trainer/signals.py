@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM / SIGINT in the driver (issue 12 item 10).
+"""Graceful stop on SIGTERM / SIGINT in the driver.
 
 Slurm and Kubernetes send SIGTERM before killing a job; Ctrl-C sends SIGINT. The first signal only sets a
 flag: the training loop finishes the step in flight, saves a checkpoint, flushes the metrics and exits with

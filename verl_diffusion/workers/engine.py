@@ -1,4 +1,4 @@
-"""A diffusers engine in verl's ``EngineRegistry`` (DESIGN §4): FSDP/FSDP2 around a flow-matching transformer.
+"""A diffusers engine in verl's ``EngineRegistry``: FSDP/FSDP2 around a flow-matching transformer.
 
 ``DiffusersFSDPEngine`` subclasses verl's ``FSDPEngine`` and reuses its device mesh, FSDP2 wrapping
 (diffusers' ``_no_split_modules``), mixed precision, optimizer / LR-scheduler builders, gradient clipping,
@@ -385,7 +385,7 @@ class DiffusersFSDPEngine(FSDPEngine):
                         lr_ = q.log_prob.detach() - st["old_log_prob"]
                         metrics.setdefault("actor/log_ratio_abs_max", []).append(float(lr_.abs().max()))
                     if probe and q.log_prob is not None and st.get("rollout_log_prob") is not None:
-                        # Train/rollout consistency (DESIGN §3 step 6): log π_train of this forward vs the
+                        # Train/rollout consistency: log π_train of this forward vs the
                         # rollout's log π at the same (x_t, x_next), mean over the rows; free, no extra forward.
                         gap = (q.log_prob.detach().float() - st["rollout_log_prob"].float()).abs().mean()
                         metrics.setdefault("rollout/logprob_abs_diff", []).append(float(gap))

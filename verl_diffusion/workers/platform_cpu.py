@@ -1,4 +1,4 @@
-"""A ``cpu`` platform for verl's platform layer (the measured notes VERL_ON_CPU.md, DESIGN §4).
+"""A ``cpu`` platform for verl's platform layer.
 
 Selected only by ``VERL_PLATFORM=cpu`` (``main_flowgrpo`` sets it when no accelerator is present):
 :meth:`PlatformCPU.is_platform_available` is always false, so auto-detection on a GPU host with a broken

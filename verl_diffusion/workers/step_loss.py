@@ -1,4 +1,4 @@
-"""Per-timestep glue between a rollout batch and a registered loss (DESIGN §3 step 6, docs/data_flow.md).
+"""Per-timestep glue between a rollout batch and a registered loss (docs/data_flow.md).
 
 Rows of the rollout batch are samples; a loss sees *items* = (sample, trained step) pairs. For one trained
 step ``k`` this module

@@ -1,4 +1,4 @@
-"""The actor side of weight sync (DESIGN §3.7, §4): what verl's ``CheckpointEngineManager`` needs from the actor
+"""The actor side of weight sync: what verl's ``CheckpointEngineManager`` needs from the actor
 worker group besides its ``update_weights(global_steps, mode)`` RPC (the worker's, which calls :meth:`send_weights`
 for every backend but ``naive``): ``execute_checkpoint_engine(method, ...)`` and the engine itself.
 

@@ -1,5 +1,6 @@
 """Our actor-rollout(-ref) worker: verl's ``TrainingWorker`` for the actor (and the reference when not LoRA)
-plus the in-process diffusers rollout sharing the actor's FSDP module, so no weight sync (DESIGN §3, §4).
+plus the in-process diffusers rollout sharing the actor's FSDP module: the colocated replica samples with the
+actor's own parameters (verl's "naive" weight sync hands them over and checks they are the same tensors).
 
 verl's ``ActorRolloutRefWorker.init_model`` is LLM-specific (HF config, token rollout registry, checkpoint
 engine); like it, we compose ``TrainingWorker`` instances, and we do not bend it.

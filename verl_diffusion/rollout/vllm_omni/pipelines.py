@@ -1,4 +1,4 @@
-"""vllm-omni custom pipelines that sample with our step kernels (DESIGN §4, §6; SPEC §1).
+"""vllm-omni custom pipelines that sample with our step kernels (docs/vllm_omni.md).
 
 One generic pipeline, :class:`AdapterRolloutPipeline`, runs any model adapter (``models/base.py``) through the
 same loop as the diffusers rollout (``DiffusersRollout.run_trajectory`` over ``algos.sde``), so its log-probs are
