@@ -11,7 +11,7 @@ from verl.utils.device import get_device_name
 
 def init_cpu_process_group() -> None:
     """On the CPU platform, open the gloo group before verl does: verl builds the backend string
-    ``"cpu:gloo,cpu:gloo"``, which torch rejects (VERL_ON_CPU.md). Ray already set RANK / WORLD_SIZE /
+    ``"cpu:gloo,cpu:gloo"``, which torch rejects. Ray already set RANK / WORLD_SIZE /
     MASTER_*; verl skips an initialised group."""
     if get_device_name() != "cpu" or torch.distributed.is_initialized():
         return

@@ -125,14 +125,14 @@ def _register_reward_managers() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Advantage estimators (SPEC §2) in verl's calling convention
+# Advantage estimators (docs/algorithms.md §2) in verl's calling convention
 
 
 def _knob(config: Any, name: str, default: Any) -> Any:
     """Read an optional knob from verl's algorithm config (DictConfig, dict, dataclass or None).
 
     verl's AlgoConfig has no fields for our knobs; recipes put them under ``algorithm.flow_grpo``.
-    The defaults here are SPEC §2.1's and are documented in docs/training.md.
+    The defaults here are docs/algorithms.md §2.1's and are documented in docs/training.md.
     """
     if config is None:
         return default
@@ -165,7 +165,7 @@ def _broadcast(adv: torch.Tensor, response_mask: Optional[torch.Tensor]) -> torc
 
 def flow_grpo_advantage(sample_level_rewards=None, response_mask=None, index=None, config=None,
                         token_level_rewards=None, **_: Any):
-    """verl adapter of SPEC §2.1: per-prompt mean, std over *samples*, broadcast after normalisation.
+    """verl adapter of docs/algorithms.md §2.1: per-prompt mean, std over *samples*, broadcast after normalisation.
 
     Args: sample_level_rewards [B]; response_mask [B, T]; index: per-sample group uid (len B).
     Returns: (advantages [B, T], returns [B, T]) — returns equal advantages, as in verl's GRPO.
@@ -191,7 +191,7 @@ def flow_grpo_advantage(sample_level_rewards=None, response_mask=None, index=Non
 
 def flow_grpo_gdpo_advantage(sample_level_rewards=None, response_mask=None, index=None, config=None,
                              batch=None, reward_components=None, **_: Any):
-    """verl adapter of SPEC §2.2 `gdpo`: per-reward group normalisation, weighted sum, batch whitening.
+    """verl adapter of docs/algorithms.md §2.2 `gdpo`: per-reward group normalisation, weighted sum, batch whitening.
 
     Components come from ``reward_components`` [B, M] or from ``batch['reward_components/<name>']``.
     """
@@ -219,7 +219,7 @@ def flow_grpo_gdpo_advantage(sample_level_rewards=None, response_mask=None, inde
 
 def flow_grpo_batch_advantage(sample_level_rewards=None, response_mask=None, config=None,
                               token_level_rewards=None, **_: Any):
-    """verl adapter of SPEC §2.1 mode `batch` (no grouping; for G = 1 by design)."""
+    """verl adapter of docs/algorithms.md §2.1 mode `batch` (no grouping; for G = 1 by design)."""
     from verl_diffusion.algos.advantages import batch_advantages
 
     rewards = _sample_rewards(sample_level_rewards, token_level_rewards)

@@ -1,4 +1,4 @@
-"""Per-sample advantages for group-relative policy optimisation (SPEC §2).
+"""Per-sample advantages for group-relative policy optimisation (docs/algorithms.md §2).
 
 Every statistic is computed over the length-``B`` *sample* vector (the globally gathered batch), never over
 a timestep-expanded ``[B, T]`` tensor; :func:`broadcast_to_steps` expands only after normalisation.
@@ -14,10 +14,10 @@ from typing import Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 
-# Std modes of SPEC §2.1: batch-global std (default), within-group std, no division (Dr.GRPO).
+# Std modes of docs/algorithms.md §2.1: batch-global std (default), within-group std, no division (Dr.GRPO).
 STD_MODES = ("global", "group", "none")
 
-# DanceGRPO preset (SPEC §2.1): group std, ddof = 1, ε_adv = 1e-8.
+# DanceGRPO preset (docs/algorithms.md §2.1): group std, ddof = 1, ε_adv = 1e-8.
 DANCE_GRPO_PRESET = {"std_mode": "group", "ddof": 1, "eps": 1e-8}
 
 Weights = Optional[Union[Sequence[float], torch.Tensor]]
@@ -89,7 +89,7 @@ def _as_rewards(rewards: torch.Tensor, ndim: int) -> torch.Tensor:
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_mode: str = "global",
                      eps: float = 1e-4, clip: Optional[float] = 5.0, ddof: int = 0) -> torch.Tensor:
-    """Group-relative advantages A_i = (r_i − m_g(i)) / (σ + ε_adv), clipped to ±clip (SPEC §2.1).
+    """Group-relative advantages A_i = (r_i − m_g(i)) / (σ + ε_adv), clipped to ±clip (docs/algorithms.md §2.1).
 
     Args:
         rewards: [B] float, one scalar per sample (globally gathered).
@@ -98,7 +98,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_mode
             or ``none`` (Dr.GRPO, no division).
         eps: ε_adv added to the std (not the variance).
         clip: A_max > 0; ``None`` (or ``inf``) disables clipping.
-        ddof: std delta degrees of freedom (0 = population std, the default [choice SPEC §9.6]).
+        ddof: std delta degrees of freedom (0 = population std, the default [choice docs/algorithms.md §9.6]).
     Returns:
         [B] advantages, same dtype as rewards. A singleton group gets 0 because it is its own mean.
     """
@@ -115,7 +115,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_mode
 
 
 def batch_advantages(rewards: torch.Tensor, *, eps: float = 1e-4, clip: Optional[float] = 5.0) -> torch.Tensor:
-    """Mode ``batch`` (no grouping; G = 1 by design): A = (r − mean_B r)/(std_B r + ε_adv), clipped (SPEC §2.1).
+    """Mode ``batch`` (no grouping; G = 1 by design): A = (r − mean_B r)/(std_B r + ε_adv), clipped (docs/algorithms.md §2.1).
 
     Args: rewards [B].  Returns: [B].
     """
@@ -125,7 +125,7 @@ def batch_advantages(rewards: torch.Tensor, *, eps: float = 1e-4, clip: Optional
 
 def gdpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, weights: Weights = None,
                     eps: float = 1e-6, clip: Optional[float] = 5.0) -> torch.Tensor:
-    """GDPO multi-reward advantages (SPEC §2.2; used by Flow-DPPO).
+    """GDPO multi-reward advantages (docs/algorithms.md §2.2; used by Flow-DPPO).
 
     (1) per component, group-normalise with the group std (ddof 0) + ε_g; singleton groups → 0;
     (2) S = Σ_m w_m·Â^(m); (3) batch-whiten S: (S − mean_B S)/√(var_B S + 1e-8); (4) clip to ±clip.
@@ -155,7 +155,7 @@ def gdpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, weights: 
 
 def sum_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, weights: Weights = None,
                    **group_kwargs) -> torch.Tensor:
-    """``sum`` multi-reward mode (SPEC §2.2): r = Σ_m w_m·r^(m), then :func:`group_advantages`.
+    """``sum`` multi-reward mode (docs/algorithms.md §2.2): r = Σ_m w_m·r^(m), then :func:`group_advantages`.
 
     Args: rewards [B, M]; group_ids [B]; weights M floats (default 1); group_kwargs: std_mode, eps, clip, ddof.
     Returns: [B].
@@ -165,12 +165,12 @@ def sum_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, weights: W
 
 
 def dance_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, clip: Optional[float] = 5.0) -> torch.Tensor:
-    """DanceGRPO preset (SPEC §2.1): group std with ddof = 1 and ε_adv = 1e-8.  [B] → [B]."""
+    """DanceGRPO preset (docs/algorithms.md §2.1): group std with ddof = 1 and ε_adv = 1e-8.  [B] → [B]."""
     return group_advantages(rewards, group_ids, clip=clip, **DANCE_GRPO_PRESET)
 
 
 def broadcast_to_steps(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Broadcast normalised per-sample advantages to the trained steps (SPEC §2.1).
+    """Broadcast normalised per-sample advantages to the trained steps (docs/algorithms.md §2.1).
 
     Call only *after* normalisation. Args: adv [B]; mask [B, T] (bool/int/float, 1 = trained step).
     Returns: [B, T] = adv[:, None]·mask (0 at untrained steps), dtype of adv.
@@ -182,7 +182,7 @@ def broadcast_to_steps(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def advantage_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
-    """Logging metrics of SPEC §2.3 (floats, one host sync).
+    """Logging metrics of docs/algorithms.md §2.3 (floats, one host sync).
 
     Args: rewards [B] (or [B, M]: the row sum is summarised); group_ids [B]; adv [B].
     Returns: ``reward/mean``, ``reward/std`` (population), ``reward/zero_std_ratio`` (fraction of groups whose
@@ -237,7 +237,7 @@ def _clip(adv: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# TempFlow-GRPO process advantages (SPEC §3.3)
+# TempFlow-GRPO process advantages (docs/algorithms.md §3.3)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -251,7 +251,7 @@ def _branch_groups(prompt_ids: torch.Tensor, branch_step: torch.Tensor, n: int) 
 def process_advantages(rewards: torch.Tensor, prompt_ids: Optional[torch.Tensor] = None,
                        branch_step: Optional[torch.Tensor] = None, *, eps: float = 1e-4,
                        clip: Optional[float] = 5.0) -> torch.Tensor:
-    """TempFlow-GRPO process (per-step) advantages, normalised within (prompt, k) across children (SPEC §3.3).
+    """TempFlow-GRPO process (per-step) advantages, normalised within (prompt, k) across children (docs/algorithms.md §3.3).
 
     A = (r − mean_children r) / (std_children r + ε_adv), std over the K_b children of one (prompt, branch
     step k) only (ddof 0); a single child gets 0 (it is its own mean); clipped to ±clip.

@@ -1,10 +1,10 @@
-"""EMA of parameters for evaluation, and soft old-policy / KL-EMA averaging (SPEC §8).
+"""EMA of parameters for evaluation, and soft old-policy / KL-EMA averaging (docs/algorithms.md §8).
 
 - :class:`ParamEMA`: evaluation EMA θ̄ with warm-up decay d_n = min((1 + n)/(10 + n), d_max), updated after
-  optimizer step n (0-based count of completed steps) when (n + 1) mod I = 0 (SPEC §8.1).
+  optimizer step n (0-based count of completed steps) when (n + 1) mod I = 0 (docs/algorithms.md §8.1).
   Presets: Flow-GRPO d_max = 0.9, I = 8; DiffusionNFT d_max = 0.9, I = 1; AWM d_max = 0.99.
 - :func:`nft_old_policy_decay`, :func:`awm_kl_ema_decay` + :func:`soft_update_`: θ_old ← d·θ_old + (1 − d)·θ
-  after each epoch's training (SPEC §8.2).
+  after each epoch's training (docs/algorithms.md §8.2).
 
 Pure torch; no optimizer or module types are needed, only lists of parameter tensors.
 """
@@ -21,9 +21,9 @@ from verl_diffusion.algos.checks import check_choice
 __all__ = ["ema_decay", "ParamEMA", "NFT_SCHEDULE_TYPES", "nft_old_policy_decay", "AWM_KL_EMA_MODES",
            "awm_kl_ema_decay", "soft_update_"]
 
-# DiffusionNFT old-policy schedules (SPEC §8.2).
+# DiffusionNFT old-policy schedules (docs/algorithms.md §8.2).
 NFT_SCHEDULE_TYPES = (0, 1, 2)
-# AWM KL-EMA adapter modes (SPEC §8.2).
+# AWM KL-EMA adapter modes (docs/algorithms.md §8.2).
 AWM_KL_EMA_MODES = ("linear", "constant")
 
 
@@ -44,7 +44,7 @@ def _check_decay(name: str, d) -> float:
 
 
 def ema_decay(n: int, *, decay_max: float) -> float:
-    """Warm-up EMA decay after optimizer step n (SPEC §8.1): d_n = min((1 + n)/(10 + n), d_max).
+    """Warm-up EMA decay after optimizer step n (docs/algorithms.md §8.1): d_n = min((1 + n)/(10 + n), d_max).
 
     d_0 = 0.1; with d_max = 0.9 the warm-up ends at n = 80. Returns a plain float.
     """
@@ -53,7 +53,7 @@ def ema_decay(n: int, *, decay_max: float) -> float:
 
 
 class ParamEMA:
-    """Evaluation EMA θ̄ of a list of (trainable) parameters (SPEC §8.1).
+    """Evaluation EMA θ̄ of a list of (trainable) parameters (docs/algorithms.md §8.1).
 
     θ̄ starts as a copy of θ. ``step(n)`` after optimizer step n: if (n + 1) mod interval = 0,
     θ̄ ← θ̄ + (1 − d_n)·(θ − θ̄). ``swap_in()`` puts θ̄ into the parameters for evaluation / export and
@@ -120,7 +120,7 @@ class ParamEMA:
 
 
 def nft_old_policy_decay(schedule_type: int, n: int) -> float:
-    """DiffusionNFT old-policy decay after n optimizer steps (SPEC §8.2).
+    """DiffusionNFT old-policy decay after n optimizer steps (docs/algorithms.md §8.2).
 
     type 0: 0;  type 1 (default): min(0.001·n, 0.5);  type 2 (OCR): 0 for n < 75, else min(0.0075·(n − 75), 0.999).
     """
@@ -134,7 +134,7 @@ def nft_old_policy_decay(schedule_type: int, n: int) -> float:
 
 
 def awm_kl_ema_decay(mode: str, n: int, *, decay_max: float = 0.3) -> float:
-    """AWM KL-EMA adapter decay (SPEC §8.2): ``linear`` min(0.001·n, d_max), ``constant`` d_max."""
+    """AWM KL-EMA adapter decay (docs/algorithms.md §8.2): ``linear`` min(0.001·n, d_max), ``constant`` d_max."""
     check_choice("mode", mode, AWM_KL_EMA_MODES)
     _check_count("n", n)
     d_max = _check_decay("decay_max", decay_max)
@@ -144,7 +144,7 @@ def awm_kl_ema_decay(mode: str, n: int, *, decay_max: float = 0.3) -> float:
 @torch.no_grad()
 def soft_update_(target_params: Iterable[torch.Tensor], source_params: Iterable[torch.Tensor], *,
                  decay: float) -> None:
-    """In place θ_old ← d·θ_old + (1 − d)·θ for each pair (SPEC §8.2). d = 0 copies θ exactly, d = 1 is a no-op."""
+    """In place θ_old ← d·θ_old + (1 − d)·θ for each pair (docs/algorithms.md §8.2). d = 0 copies θ exactly, d = 1 is a no-op."""
     d = _check_decay("decay", decay)
     targets, sources = list(target_params), list(source_params)
     if len(targets) != len(sources):

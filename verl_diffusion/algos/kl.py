@@ -1,4 +1,4 @@
-"""KL-to-reference regularisers, per element and per item (SPEC §1.7 GRPO family, §7.6 path-space).
+"""KL-to-reference regularisers, per element and per item (docs/algorithms.md §1.7 GRPO family, §7.6 path-space).
 
 All modes are functions of Δv = v_θ(x_t, t) − v_ref(x_t, t) at the same state (per-element means, §0.3):
 
@@ -25,7 +25,7 @@ from verl_diffusion.algos.sde import SAMPLERS
 
 __all__ = ["KL_MODES", "KL_MODE_NEEDS", "reference_kl", "girsanov_weight"]
 
-# KL-to-reference modes (SPEC §1.7, §7.6).
+# KL-to-reference modes (docs/algorithms.md §1.7, §7.6).
 KL_MODES = ("exact", "flow_grpo_legacy", "v_space", "girsanov", "gaussian_step")
 
 # Arguments each mode reads besides the two velocities (flow_grpo_legacy also reads dt for flow_sde/dance).
@@ -49,7 +49,7 @@ def _col(c, b: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def girsanov_weight(t: torch.Tensor, *, noise_level: float) -> torch.Tensor:
-    """w̃(t) = (1+η)²(1−t)/(4ηt) with η = a²/2 (SPEC §7.1, §7.6). Singular as t → 0 or a → 0. t: [B]."""
+    """w̃(t) = (1+η)²(1−t)/(4ηt) with η = a²/2 (docs/algorithms.md §7.1, §7.6). Singular as t → 0 or a → 0. t: [B]."""
     eta = float(noise_level) ** 2 / 2.0
     return (1.0 + eta) ** 2 * (1.0 - t) / (4.0 * eta * t)
 
@@ -58,7 +58,7 @@ def reference_kl(mode: str, *, velocity: torch.Tensor, ref_velocity: torch.Tenso
                  c_v: Optional[torch.Tensor] = None, std: Optional[torch.Tensor] = None,
                  t: Optional[torch.Tensor] = None, dt: Optional[torch.Tensor] = None,
                  sampler: str = "flow_sde", noise_level: Optional[float] = None) -> torch.Tensor:
-    """Per-item KL to the reference policy, per-element mean (SPEC §1.7, §7.6; table in the module doc).
+    """Per-item KL to the reference policy, per-element mean (docs/algorithms.md §1.7, §7.6; table in the module doc).
 
     Args:
       mode: one of :data:`KL_MODES`.

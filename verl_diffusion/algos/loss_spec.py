@@ -33,12 +33,12 @@ class LossSpec:
     batch_keys: tuple[str, ...]
     # Frozen dataclass of the loss's knobs; ``config()`` must give working defaults.
     config: type
-    # Where item states come from (SPEC §7.3). A config may override it when it has an ``xt_source`` field.
+    # Where item states come from (docs/algorithms.md §7.3). A config may override it when it has an ``xt_source`` field.
     state_source: StateSource = StateSource.TRAJECTORY
     # Optional per-step pre-processing over whole groups (see PrepareFn).
     prepare: Optional[PrepareFn] = None
     # StepBatch fields handed over when the batch has them and left None otherwise (never required), e.g. the
-    # per-step process advantages of a branched TempFlow rollout (SPEC §3.3).
+    # per-step process advantages of a branched TempFlow rollout (docs/algorithms.md §3.3).
     optional_batch_keys: tuple[str, ...] = OPTIONAL_BATCH_KEYS
 
     def needs_for(self, cfg: Any) -> StepNeeds:

@@ -1,10 +1,10 @@
-"""Forward-noising matching losses with their authors' reference constants: DiffusionNFT (SPEC §5) and
-AWM (SPEC §6), plus the time-drawing helpers the engine calls for them.
+"""Forward-noising matching losses with their authors' reference constants: DiffusionNFT (docs/algorithms.md §5) and
+AWM (docs/algorithms.md §6), plus the time-drawing helpers the engine calls for them.
 
 Both evaluate the network at x_t = (1−t)·x0 + t·ε with a fresh ε at a time drawn from the rollout grid
 (``StateSource.FORWARD_NOISING``); they are the §7.7 presets ``nft`` / ``awm`` of the path-space family
-up to the per-item factors stated in SPEC §7.7 (tests/algos/test_matching_losses_on_cpu.py checks them).
-Shapes: ``B`` items, ``*`` latent dims; reductions are per-element means (SPEC §0.3). Pure torch + stdlib.
+up to the per-item factors stated in docs/algorithms.md §7.7 (tests/algos/test_matching_losses_on_cpu.py checks them).
+Shapes: ``B`` items, ``*`` latent dims; reductions are per-element means (docs/algorithms.md §0.3). Pure torch + stdlib.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ AWM_PHIS = ("uniform", "t", "t2", "ghuber")
 
 
 # ---------------------------------------------------------------------------------------------------
-# Time drawing (SPEC §5.2, §6) and forward noising
+# Time drawing (docs/algorithms.md §5.2, §6) and forward noising
 # ---------------------------------------------------------------------------------------------------
 
 def draw_nft_time_indices(num_samples: int, num_steps: int, *, fraction: float = 0.99,
                           generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """DiffusionNFT training times (SPEC §5.2): per sample, the grid indices {0, …, N−1} in an independent
+    """DiffusionNFT training times (docs/algorithms.md §5.2): per sample, the grid indices {0, …, N−1} in an independent
     random order, first ⌊fraction·N⌋ kept (at least 1).  Returns LongTensor [num_samples, ⌊fraction·N⌋];
     use ``sigmas[idx]`` for the times."""
     if num_steps < 1:
@@ -45,7 +45,7 @@ def draw_nft_time_indices(num_samples: int, num_steps: int, *, fraction: float =
 
 def draw_awm_time_indices(num_steps: int, num_train_times: int, *, fraction: float = 1.0,
                           generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """AWM stratified training times (SPEC §6): split the indices {1, …, ⌊N·f⌋} into ``num_train_times``
+    """AWM stratified training times (docs/algorithms.md §6): split the indices {1, …, ⌊N·f⌋} into ``num_train_times``
     equal strata and draw one index uniformly per stratum (share the result across the micro-batch).
     Returns LongTensor [num_train_times], increasing."""
     m = int(math.floor(num_steps * fraction + 1e-9))
@@ -59,17 +59,17 @@ def draw_awm_time_indices(num_steps: int, num_train_times: int, *, fraction: flo
 
 
 def forward_noise(x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """x_t = (1−t)·x0 + t·ε (SPEC §0.1).  x0, noise [B, *]; t [B].  Returns [B, *]."""
+    """x_t = (1−t)·x0 + t·ε (docs/algorithms.md §0.1).  x0, noise [B, *]; t [B].  Returns [B, *]."""
     tb = _bcast(t, x0)
     return (1 - tb) * x0 + tb * noise
 
 
 # ---------------------------------------------------------------------------------------------------
-# DiffusionNFT (SPEC §5)
+# DiffusionNFT (docs/algorithms.md §5)
 # ---------------------------------------------------------------------------------------------------
 
 def nft_advantages(advantages: torch.Tensor, *, adv_clip_max: float = 5.0, mode: str = "all") -> torch.Tensor:
-    """A' of SPEC §5.2: clamp(A, ±A_max)/A_max, then mode positive_only (A' ≥ 0) | negative_only (A' ≤ 0) |
+    """A' of docs/algorithms.md §5.2: clamp(A, ±A_max)/A_max, then mode positive_only (A' ≥ 0) | negative_only (A' ≤ 0) |
     one_only (1[A > 0]) | binary (sign A) | all (as is).  [B] -> [B]."""
     check_choice("adv_mode", mode, NFT_ADV_MODES)
     a = transform_advantages("nft", advantages, adv_clip_max=adv_clip_max)
@@ -87,7 +87,7 @@ def nft_advantages(advantages: torch.Tensor, *, adv_clip_max: float = 5.0, mode:
 def diffusion_nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                        x0: torch.Tensor, advantages: torch.Tensor, *, beta: float = 1.0,
                        adv_clip_max: float = 5.0, adv_mode: str = "all"):
-    """Reference DiffusionNFT policy loss per item (SPEC §5.2), KL excluded.
+    """Reference DiffusionNFT policy loss per item (docs/algorithms.md §5.2), KL excluded.
 
     r = clamp((A'+1)/2, 0, 1); v⁺ = β·v_θ + (1−β)·v_old; v⁻ = (1+β)·v_old − β·v_θ; x̂0^± = x_t − t·v^±;
     W^± = max(mean_e|x̂0^± − x0|, 1e-5) in fp64 without grad; L^± = ‖x̂0^± − x0‖²_e / W^±;
@@ -118,7 +118,7 @@ def diffusion_nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, x_t: 
 
 def nft_paper_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, cond_velocity: torch.Tensor,
                    advantages: torch.Tensor, *, beta: float = 1.0) -> torch.Tensor:
-    """Paper form L^NFT = R̂·‖v⁺ − v‖²_e + (1 − R̂)·‖v⁻ − v‖²_e, R̂ = (A + 1)/2 (SPEC §5.3).  Returns [B]."""
+    """Paper form L^NFT = R̂·‖v⁺ − v‖²_e + (1 − R̂)·‖v⁻ − v‖²_e, R̂ = (A + 1)/2 (docs/algorithms.md §5.3).  Returns [B]."""
     v_old = old_velocity.detach()
     r = ((advantages + 1) / 2).to(velocity.dtype)
     v_pos = beta * velocity + (1 - beta) * v_old
@@ -128,7 +128,7 @@ def nft_paper_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, cond_velo
 
 @dataclass(frozen=True)
 class DiffusionNFTConfig:
-    """Knobs of the ``diffusion_nft`` loss (SPEC §5, reference constants)."""
+    """Knobs of the ``diffusion_nft`` loss (docs/algorithms.md §5, reference constants)."""
 
     # β_NFT: 1.0 default; 0.1 for OCR / multi-reward.
     beta: float = 1.0
@@ -136,9 +136,9 @@ class DiffusionNFTConfig:
     adv_clip_max: float = 5.0
     # A' variant: all | positive_only | negative_only | one_only | binary.
     adv_mode: str = "all"
-    # β_KL of ‖v_θ − v_ref‖²_e (v_space, SPEC §5.2).
+    # β_KL of ‖v_θ − v_ref‖²_e (v_space, docs/algorithms.md §5.2).
     kl_coef: float = 1e-4
-    # Fraction of the grid times trained per sample (SPEC §5.2): first ⌊0.99·N⌋ of a random order.
+    # Fraction of the grid times trained per sample (docs/algorithms.md §5.2): first ⌊0.99·N⌋ of a random order.
     time_fraction: float = 0.99
     xt_source: str = "forward_noising"
 
@@ -152,7 +152,7 @@ class DiffusionNFTConfig:
 
 def _add_v_space_kl(loss: torch.Tensor, metrics: dict, q: StepQuantities, kl_coef: float,
                     loss_name: str) -> torch.Tensor:
-    """loss + β_KL·mean‖v_θ − v_ref‖²_e (SPEC §5.2, §6) when β_KL > 0; logs ``actor/kl``."""
+    """loss + β_KL·mean‖v_θ − v_ref‖²_e (docs/algorithms.md §5.2, §6) when β_KL > 0; logs ``actor/kl``."""
     if kl_coef <= 0:
         return loss
     if q.ref_velocity is None:
@@ -171,7 +171,7 @@ def _state(batch: StepBatch) -> torch.Tensor:
                batch_keys=("advantages", "x0", "noise", "t"), config=DiffusionNFTConfig,
                state_source=StateSource.FORWARD_NOISING)
 def diffusion_nft_entry(q: StepQuantities, batch: StepBatch, cfg: DiffusionNFTConfig) -> LossOutput:
-    """Registered ``diffusion_nft``: A_max·mean[(r·L⁺ + (1−r)·L⁻)/β] + β_KL·mean‖v_θ − v_ref‖²_e (SPEC §5.2)."""
+    """Registered ``diffusion_nft``: A_max·mean[(r·L⁺ + (1−r)·L⁻)/β] + β_KL·mean‖v_θ − v_ref‖²_e (docs/algorithms.md §5.2)."""
     batch.require(("advantages", "x0", "noise", "t"), "diffusion_nft")
     if q.velocity is None or q.old_velocity is None:
         raise ValueError("diffusion_nft needs StepQuantities.velocity and the fresh no-grad old_velocity "
@@ -186,11 +186,11 @@ def diffusion_nft_entry(q: StepQuantities, batch: StepBatch, cfg: DiffusionNFTCo
 
 
 # ---------------------------------------------------------------------------------------------------
-# AWM (SPEC §6)
+# AWM (docs/algorithms.md §6)
 # ---------------------------------------------------------------------------------------------------
 
 def awm_phi(m: torch.Tensor, t: torch.Tensor, *, phi: str = "uniform", ghuber_power: float = 0.25) -> torch.Tensor:
-    """Time weighting φ(m, t) of AWM (SPEC §6): uniform m | t·m | t²·m | t·((m+1e-10)^p − 1e-10^p)/p.  [B]."""
+    """Time weighting φ(m, t) of AWM (docs/algorithms.md §6): uniform m | t·m | t²·m | t·((m+1e-10)^p − 1e-10^p)/p.  [B]."""
     check_choice("phi", phi, AWM_PHIS)
     t = t.to(m.dtype)
     if phi == "uniform":
@@ -205,7 +205,7 @@ def awm_phi(m: torch.Tensor, t: torch.Tensor, *, phi: str = "uniform", ghuber_po
 
 def awm_log_prob(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, *,
                  phi: str = "uniform", ghuber_power: float = 0.25) -> torch.Tensor:
-    """Surrogate log-prob ℓ^AWM = −φ(‖v − (ε − x0)‖²_e, t) (SPEC §6).  Returns [B]."""
+    """Surrogate log-prob ℓ^AWM = −φ(‖v − (ε − x0)‖²_e, t) (docs/algorithms.md §6).  Returns [B]."""
     m = _mean_e((velocity - (noise - x0)) ** 2)
     return -awm_phi(m, t, phi=phi, ghuber_power=ghuber_power)
 
@@ -214,7 +214,7 @@ def awm_loss(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, t: t
              advantages: torch.Tensor, *, old_velocity: Optional[torch.Tensor] = None, phi: str = "uniform",
              clip_range: float = 1.0, adv_clip_max: float = 5.0, adv_scale: float = 1.0,
              ghuber_power: float = 0.25):
-    """AWM clipped policy loss per item (SPEC §6), KL terms excluded.
+    """AWM clipped policy loss per item (docs/algorithms.md §6), KL terms excluded.
 
     ρ = exp(ℓ_θ − ℓ_old); ℓ_old from ``old_velocity`` (θ_old at the identical (x_t, t, ε)) or, when None,
     ℓ_old = sg(ℓ_θ) (on-policy, ρ ≡ 1). item = max(−A''ρ, −A''·clip(ρ, 1 ± ε_c)), A'' = clamp(A)/A_max·a_max.
@@ -238,7 +238,7 @@ def awm_loss(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, t: t
 
 @dataclass(frozen=True)
 class AWMConfig:
-    """Knobs of the ``awm`` loss (SPEC §6, README defaults)."""
+    """Knobs of the ``awm`` loss (docs/algorithms.md §6, README defaults)."""
 
     # Time weighting φ: uniform | t | t2 | ghuber (p = ghuber_power).
     phi: str = "uniform"
@@ -250,11 +250,11 @@ class AWMConfig:
     adv_scale: float = 1.0
     # β_KL of ‖v_θ − v_ref‖²_e.
     kl_coef: float = 0.003
-    # Stratified time draw (SPEC §6): T_train strata over indices {1, …, ⌊N·f⌋}.
+    # Stratified time draw (docs/algorithms.md §6): T_train strata over indices {1, …, ⌊N·f⌋}.
     num_train_times: int = 1
     time_fraction: float = 1.0
     xt_source: str = "forward_noising"
-    # SPEC §6 option off_policy: ρ against θ_old at the identical (x_t, t, ε) (a no-grad forward per item in
+    # docs/algorithms.md §6 option off_policy: ρ against θ_old at the identical (x_t, t, ε) (a no-grad forward per item in
     # prepare_steps, as DiffusionNFT's v_old). θ_old is the §8.2 KL-EMA adapter kept by the worker with
     # actor.old_policy (awm_linear / awm_constant, which also samples the rollout); with schedule none it is the
     # weights before this rollout's update (d = 0).
@@ -271,7 +271,7 @@ class AWMConfig:
 @register_loss("awm", needs=StepNeeds.VELOCITY, batch_keys=("advantages", "x0", "noise", "t"), config=AWMConfig,
                state_source=StateSource.FORWARD_NOISING)
 def awm_entry(q: StepQuantities, batch: StepBatch, cfg: AWMConfig) -> LossOutput:
-    """Registered ``awm``: mean[max(−A''ρ, −A''·clip(ρ, 1±ε_c))] + β_KL·mean‖v_θ − v_ref‖²_e (SPEC §6).
+    """Registered ``awm``: mean[max(−A''ρ, −A''·clip(ρ, 1±ε_c))] + β_KL·mean‖v_θ − v_ref‖²_e (docs/algorithms.md §6).
 
     On-policy by default (ℓ_old = sg(ℓ_θ)); with ``off_policy=True`` the engine supplies ``q.old_velocity``
     (θ_old at the identical fresh state: the soft KL-EMA copy of ``actor.old_policy``, else the pre-update

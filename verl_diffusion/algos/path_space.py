@@ -1,6 +1,6 @@
-"""Unified path-space loss family (SPEC §7; P-S = "Designing RL for Diffusion Models: A Unified Path-Space View").
+"""Unified path-space loss family (docs/algorithms.md §7; P-S = "Designing RL for Diffusion Models: A Unified Path-Space View").
 
-Per item (sample i, state x_t at time t), SPEC §7.2:
+Per item (sample i, state x_t at time t), docs/algorithms.md §7.2:
 
     ℓ = w1(A, t)·‖Δv‖²_e + w2(t)·⟨Δv, ĝ⟩_e + β_KL·KL,     Δv = v_θ(x_t, t) − sg(v_old(x_t, t)),
 
@@ -9,7 +9,7 @@ complete groups right after the rollout (the ``prepare`` hook), and a weight pai
 scale-bounded families of §7.5 or from a preset that recovers an existing method (§7.7).
 
 Shapes: ``B`` items, ``*`` latent dims, ``d`` = number of latent elements per item. Reductions are
-per-element means (SPEC §0.3) except the KDE bandwidth, which uses the paper's sum convention h.
+per-element means (docs/algorithms.md §0.3) except the KDE bandwidth, which uses the paper's sum convention h.
 Pure torch + stdlib.
 """
 
@@ -37,21 +37,21 @@ XT_SOURCES = tuple(s.value for s in StateSource)
 WEIGHT_RULES = ("family", "flow_grpo", "grpo_guard", "tempflow", "awm", "nft")
 # How the anchor advantage is transformed before it enters ĝ and w1 (AWM A'', NFT A').
 ADVANTAGE_TRANSFORMS = ("none", "awm", "nft")
-# Default KDE bandwidth in the sum convention: h = d / 2000 (SPEC §7.4; 32.768 at d = 65,536).
+# Default KDE bandwidth in the sum convention: h = d / 2000 (docs/algorithms.md §7.4; 32.768 at d = 65,536).
 DEFAULT_BANDWIDTH_PER_ELEMENT = 1.0 / 2000.0
 
 
 # ---------------------------------------------------------------------------------------------------
-# Value-gradient estimators (SPEC §7.4)
+# Value-gradient estimators (docs/algorithms.md §7.4)
 # ---------------------------------------------------------------------------------------------------
 
 def conditional_velocity(x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """v(x_t, x0) = (x_t − x0)/t (SPEC §0.1).  x_t, x0: [B, *]; t: [B] > 0.  Returns [B, *]."""
+    """v(x_t, x0) = (x_t − x0)/t (docs/algorithms.md §0.1).  x_t, x0: [B, *]; t: [B] > 0.  Returns [B, *]."""
     return (x_t - x0) / _bcast(t, x_t)
 
 
 def stochastic_direction(advantages: torch.Tensor, noise_z: torch.Tensor) -> torch.Tensor:
-    """Brownian one-sample direction ĝ_sto = A·z (SPEC §7.4 row 1).
+    """Brownian one-sample direction ĝ_sto = A·z (docs/algorithms.md §7.4 row 1).
 
     Args: advantages [B]; noise_z [B, *] standardized step noise z = (x_{t_{k+1}} − μ_old)/τ_k.
     Returns: [B, *]. Scale s(t) = 1/τ_k (:func:`estimator_scale`).
@@ -61,7 +61,7 @@ def stochastic_direction(advantages: torch.Tensor, noise_z: torch.Tensor) -> tor
 
 def step_noise(x_t: torch.Tensor, x_next: torch.Tensor, old_velocity: torch.Tensor, c_x: torch.Tensor,
                c_v: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Standardized noise z = (x_next − μ_old)/τ with μ_old = c^x·x_t + c^v·v_old (SPEC §1.2).
+    """Standardized noise z = (x_next − μ_old)/τ with μ_old = c^x·x_t + c^v·v_old (docs/algorithms.md §1.2).
 
     Items with τ = 0 (CPS last step, ODE) get z = 0, so the stochastic estimator skips them (§7.3).
     Shapes: x_t, x_next, old_velocity [B, *]; c_x, c_v, std [B].  Returns [B, *].
@@ -74,7 +74,7 @@ def step_noise(x_t: torch.Tensor, x_next: torch.Tensor, old_velocity: torch.Tens
 
 def deterministic_direction(x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, old_velocity: torch.Tensor,
                             advantages: torch.Tensor) -> torch.Tensor:
-    """One-sample direction ĝ_det = −A·(v(x_t, x0) − v_old) (SPEC §7.4 row 2; P-S Prop. 3).
+    """One-sample direction ĝ_det = −A·(v(x_t, x0) − v_old) (docs/algorithms.md §7.4 row 2; P-S Prop. 3).
 
     Args: x_t, x0, old_velocity [B, *]; t [B] (> 0); advantages [B].  Returns [B, *]; scale (1−t)/t.
     """
@@ -101,7 +101,7 @@ def _kde(x_t, t, x0, old_velocity, advantages, group_ids, bandwidth):
     h = float(d) * DEFAULT_BANDWIDTH_PER_ELEMENT if bandwidth is None else float(bandwidth)
     if not h > 0:
         raise ValueError(f"kde_bandwidth={bandwidth!r} must be > 0 (sum convention; default d/2000 = {d / 2000})")
-    dt = torch.promote_types(x_t.dtype, torch.float32)  # kernel weights in fp32 or better (SPEC §0.5)
+    dt = torch.promote_types(x_t.dtype, torch.float32)  # kernel weights in fp32 or better (docs/algorithms.md §0.5)
     xt = x_t.reshape(B, d).to(dt)
     xe = x0.reshape(B, d).to(dt)
     vo = old_velocity.reshape(B, d).to(dt)
@@ -152,7 +152,7 @@ def _kde(x_t, t, x0, old_velocity, advantages, group_ids, bandwidth):
 def kde_value_gradient(x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, old_velocity: torch.Tensor,
                        advantages: torch.Tensor, group_ids: torch.Tensor, *,
                        bandwidth: Optional[float] = None) -> torch.Tensor:
-    """Nadaraya–Watson KDE direction (SPEC §7.4 row 3; P-S Eq. 10).
+    """Nadaraya–Watson KDE direction (docs/algorithms.md §7.4 row 3; P-S Eq. 10).
 
     ĝ_i = −Σ_{j∈g(i)} ω_ij·A_j·(v(x_t,i, x0_j) − v_old,i),
     ω_ij = softmax_j(−‖x_t,i − (1−t_i)·x0_j‖² / (2·h·t_i²)) over the *whole* group of anchor i (anchor and
@@ -192,31 +192,31 @@ def kde_weight_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, f
 
 
 def estimator_scale(estimator: str, t: torch.Tensor, *, std: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Scale s(t) with ∇̂V = s(t)·ĝ (SPEC §7.4): (1−t)/t for deterministic/KDE, 1/τ_k for stochastic.
+    """Scale s(t) with ∇̂V = s(t)·ĝ (docs/algorithms.md §7.4): (1−t)/t for deterministic/KDE, 1/τ_k for stochastic.
 
     Args: t [B] (> 0); std [B] (τ_k, required for ``stochastic``).  Returns [B].
     """
     check_choice("estimator", estimator, ESTIMATORS)
     if estimator == "stochastic":
         if std is None:
-            raise ValueError("estimator_scale('stochastic') needs std=τ_k (s = 1/τ_k, SPEC §7.4)")
+            raise ValueError("estimator_scale('stochastic') needs std=τ_k (s = 1/τ_k, docs/algorithms.md §7.4)")
         return 1.0 / std
     return (1 - t) / t
 
 
 # ---------------------------------------------------------------------------------------------------
-# Weight families (SPEC §7.5)
+# Weight families (docs/algorithms.md §7.5)
 # ---------------------------------------------------------------------------------------------------
 
 def _check_exponent(name: str, exponent: float) -> None:
     if exponent < 0:
         warnings.warn(f"{name} exponent {exponent} < 0 makes the weight unbounded as t → 0 or t → 1; "
-                      "SPEC §7.5 requires scale-bounded weights (exponent ≥ 0)", stacklevel=3)
+                      "docs/algorithms.md §7.5 requires scale-bounded weights (exponent ≥ 0)", stacklevel=3)
 
 
 def w1_weight(family: str, t: torch.Tensor, advantages: torch.Tensor, *, exponent: float = 1.0,
               constant: float = 1.0) -> torch.Tensor:
-    """Off-policy weight w1(A, t) (SPEC §7.5): 0 | c·t^α | c·(1−t)^α | c·A·t^α | c·A·(1−t)^α.
+    """Off-policy weight w1(A, t) (docs/algorithms.md §7.5): 0 | c·t^α | c·(1−t)^α | c·A·t^α | c·A·(1−t)^α.
 
     Args: t [B]; advantages [B] (anchor's A_i).  Returns [B]. Warns when α < 0 (unbounded).
     """
@@ -230,7 +230,7 @@ def w1_weight(family: str, t: torch.Tensor, advantages: torch.Tensor, *, exponen
 
 
 def w2_weight(family: str, t: torch.Tensor, *, exponent: float = 1.0, constant: float = 1.0) -> torch.Tensor:
-    """On-policy weight w2(t) (SPEC §7.5): c·t^α (default) | c·(1−t)^α.  t [B] -> [B]."""
+    """On-policy weight w2(t) (docs/algorithms.md §7.5): c·t^α (default) | c·(1−t)^α.  t [B] -> [B]."""
     check_choice("w2_family", family, W2_FAMILIES)
     _check_exponent("w2", exponent)
     base = t if family == "t" else 1 - t
@@ -240,11 +240,11 @@ def w2_weight(family: str, t: torch.Tensor, *, exponent: float = 1.0, constant: 
 def preset_weights(rule: str, *, advantages: torch.Tensor, c_v: Optional[torch.Tensor] = None,
                    std: Optional[torch.Tensor] = None, dt: Optional[torch.Tensor] = None,
                    tempflow_c: float = 1.0, nft_beta: float = 1.0):
-    """Exact (w1, w2) of the method-recovering presets (SPEC §7.7), each [B].
+    """Exact (w1, w2) of the method-recovering presets (docs/algorithms.md §7.7), each [B].
 
     flow_grpo: (A·(c^v)²/(2τ²), |c^v|/τ); grpo_guard: (0, |c^v|/Δt); tempflow: (c·A·(c^v)²/(2τ), c·|c^v|);
     awm: (A'', 2); nft: (1, 2/β_NFT). ``advantages`` is the already transformed A (A'' or A' for awm/nft).
-    |c^v| is taken as −c^v (c^v < 0 for every sampler, SPEC §1.2), which keeps the identities exact.
+    |c^v| is taken as −c^v (c^v < 0 for every sampler, docs/algorithms.md §1.2), which keeps the identities exact.
     """
     check_choice("weight_rule", rule, WEIGHT_RULES[1:])
     a = advantages
@@ -263,7 +263,7 @@ def preset_weights(rule: str, *, advantages: torch.Tensor, c_v: Optional[torch.T
 
 def path_space_item_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, direction: torch.Tensor,
                          w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Per-item path-space loss w1·‖Δv‖²_e + w2·⟨Δv, ĝ⟩_e, Δv = v_θ − sg(v_old) (SPEC §7.2).
+    """Per-item path-space loss w1·‖Δv‖²_e + w2·⟨Δv, ĝ⟩_e, Δv = v_θ − sg(v_old) (docs/algorithms.md §7.2).
 
     Args: velocity (with grad), old_velocity, direction [B, *]; w1, w2 [B].  Returns [B].
     Gradient w.r.t. v_θ per element: (2·w1·Δv + w2·ĝ)/d.
@@ -276,7 +276,7 @@ def path_space_item_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, dir
 
 def transform_advantages(kind: str, advantages: torch.Tensor, *, adv_clip_max: float = 5.0,
                          awm_scale: float = 1.0) -> torch.Tensor:
-    """none: A; awm: A'' = clamp(A, ±A_max)/A_max·a_max (SPEC §6); nft: A' = clamp(A, ±A_max)/A_max (§5.2)."""
+    """none: A; awm: A'' = clamp(A, ±A_max)/A_max·a_max (docs/algorithms.md §6); nft: A' = clamp(A, ±A_max)/A_max (§5.2)."""
     check_choice("advantage_transform", kind, ADVANTAGE_TRANSFORMS)
     if kind == "none":
         return advantages
@@ -285,12 +285,12 @@ def transform_advantages(kind: str, advantages: torch.Tensor, *, adv_clip_max: f
 
 
 # ---------------------------------------------------------------------------------------------------
-# Presets (SPEC §7.7) and config
+# Presets (docs/algorithms.md §7.7) and config
 # ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class PathSpacePreset:
-    """One row of SPEC §7.7: estimator, weights and state source (+ the sampler noise P-S used, η)."""
+    """One row of docs/algorithms.md §7.7: estimator, weights and state source (+ the sampler noise P-S used, η)."""
 
     estimator: str
     weight_rule: str
@@ -298,7 +298,7 @@ class PathSpacePreset:
     w1_family: str = "one_minus_t"
     w2_family: str = "t"
     advantage_transform: str = "none"
-    # Recommended Flow-SDE noise in P-S η units (a = √(2η), SPEC §9.1); informational, the rollout owns it.
+    # Recommended Flow-SDE noise in P-S η units (a = √(2η), docs/algorithms.md §9.1); informational, the rollout owns it.
     eta: Optional[float] = None
 
 
@@ -316,15 +316,15 @@ PATH_SPACE_PRESETS: dict[str, PathSpacePreset] = {
 
 @dataclass(frozen=True)
 class PathSpaceConfig:
-    """Knobs of the ``path_space`` loss (SPEC §7). Fields left ``None`` take the preset's value."""
+    """Knobs of the ``path_space`` loss (docs/algorithms.md §7). Fields left ``None`` take the preset's value."""
 
     # Which §7.7 row: ps_kde (P-S recipe, default) | ps_det | ps_sto | flow_grpo | grpo_guard | tempflow | awm | nft.
     preset: str = "ps_kde"
-    # Value-gradient estimator: stochastic | deterministic | kde (SPEC §7.4). None → preset.
+    # Value-gradient estimator: stochastic | deterministic | kde (docs/algorithms.md §7.4). None → preset.
     estimator: Optional[str] = None
-    # KDE bandwidth h, sum convention. None → d/2000 (SPEC §7.4); 1.0 → exact posterior weights.
+    # KDE bandwidth h, sum convention. None → d/2000 (docs/algorithms.md §7.4); 1.0 → exact posterior weights.
     kde_bandwidth: Optional[float] = None
-    # w1 family (SPEC §7.5): zero | t | one_minus_t | adv_t | adv_one_minus_t. None → preset (family presets only).
+    # w1 family (docs/algorithms.md §7.5): zero | t | one_minus_t | adv_t | adv_one_minus_t. None → preset (family presets only).
     w1_family: Optional[str] = None
     # w1 exponent α1 ≥ 0 and constant c1.
     w1_exponent: float = 1.0
@@ -334,9 +334,9 @@ class PathSpaceConfig:
     # w2 exponent α2 ≥ 0 and constant c2.
     w2_exponent: float = 1.0
     w2_constant: float = 1.0
-    # State source: trajectory | forward_noising (SPEC §7.3). None → preset.
+    # State source: trajectory | forward_noising (docs/algorithms.md §7.3). None → preset.
     xt_source: Optional[str] = None
-    # Reference KL coefficient β_KL and mode (SPEC §7.6): v_space | girsanov | gaussian_step | exact | flow_grpo_legacy.
+    # Reference KL coefficient β_KL and mode (docs/algorithms.md §7.6): v_space | girsanov | gaussian_step | exact | flow_grpo_legacy.
     kl_coef: float = 1e-4
     kl_mode: str = "v_space"
     # Sampler name and noise level, forwarded to the reference-KL helper for the Gaussian/Girsanov modes.
@@ -363,7 +363,7 @@ class PathSpaceConfig:
         check_choice("sampler", self.sampler, SAMPLERS)
         if self.estimator == "stochastic" and self.xt_source != "trajectory":
             raise ValueError("estimator='stochastic' needs xt_source='trajectory' (it reads the stored step noise "
-                             "z = (x_{t_{k+1}} − μ_old)/τ, SPEC §7.3); use deterministic or kde for forward_noising")
+                             "z = (x_{t_{k+1}} − μ_old)/τ, docs/algorithms.md §7.3); use deterministic or kde for forward_noising")
         if self.kde_bandwidth is not None and not self.kde_bandwidth > 0:
             raise ValueError(f"kde_bandwidth={self.kde_bandwidth} must be > 0 or None (→ d/2000)")
         if self.nft_beta <= 0 or self.adv_clip_max <= 0:
@@ -371,7 +371,7 @@ class PathSpaceConfig:
         for name in ("w1_exponent", "w2_exponent"):
             if getattr(self, name) < 0:
                 warnings.warn(f"path_space {name}={getattr(self, name)} < 0 gives weights unbounded in t; "
-                              "SPEC §7.5 asks for scale-bounded weights (exponent ≥ 0)", stacklevel=3)
+                              "docs/algorithms.md §7.5 asks for scale-bounded weights (exponent ≥ 0)", stacklevel=3)
 
     @property
     def weight_rule(self) -> str:
@@ -383,7 +383,7 @@ class PathSpaceConfig:
 
 
 def path_space_requirements(cfg: PathSpaceConfig):
-    """(needs, prepare-input batch keys, loss batch keys) of one config (SPEC §7.3, §7.4).
+    """(needs, prepare-input batch keys, loss batch keys) of one config (docs/algorithms.md §7.3, §7.4).
 
     trajectory: the prepare hook reads x_t, t, x0, old_velocity, advantages, group_ids (+ x_next, c_x, c_v,
     std for stochastic) and writes value_direction; the loss reads value_direction, old_velocity, t,
@@ -422,7 +422,7 @@ PATH_SPACE_BATCH_KEYS = ("advantages", "x_t", "t", "t_next", "x_next", "c_x", "c
 
 
 def _forward_state(batch: StepBatch) -> torch.Tensor:
-    """x_t = (1−t)·x0 + t·ε (SPEC §0.1), or the stored x_t when the engine already filled it."""
+    """x_t = (1−t)·x0 + t·ε (docs/algorithms.md §0.1), or the stored x_t when the engine already filled it."""
     if batch.x_t is not None:
         return batch.x_t
     tb = _bcast(batch.t, batch.x0)
@@ -438,7 +438,7 @@ def _anchor_advantages(batch: StepBatch, cfg: PathSpaceConfig) -> torch.Tensor:
 
 def compute_value_direction(batch: StepBatch, cfg: PathSpaceConfig,
                             old_velocity: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """ĝ [B, *] of ``cfg.estimator`` for the items of ``batch`` (SPEC §7.4); θ-independent."""
+    """ĝ [B, *] of ``cfg.estimator`` for the items of ``batch`` (docs/algorithms.md §7.4); θ-independent."""
     a = _anchor_advantages(batch, cfg)
     v_old = batch.old_velocity if old_velocity is None else old_velocity
     if cfg.xt_source == "trajectory":
@@ -491,7 +491,7 @@ def prepare_path_space_with_metrics(batch: StepBatch, cfg: PathSpaceConfig):
 def prepare_path_space(batch: StepBatch, cfg: PathSpaceConfig) -> StepBatch:
     """Prepare hook: ĝ for one trained step over the whole batch (complete groups), once after the rollout.
 
-    Writes ``value_direction``; θ-independent (SPEC §7.8 "precompute ĝ for every item"). No host syncs
+    Writes ``value_direction``; θ-independent (docs/algorithms.md §7.8 "precompute ĝ for every item"). No host syncs
     beyond the group layout; metrics: :func:`prepare_path_space_with_metrics`.
     """
     return _prepare(batch, cfg, False)[0]
@@ -506,7 +506,7 @@ def _reference_kl(q: StepQuantities, batch: StepBatch, cfg, dt: Optional[torch.T
 
 
 def path_space_loss_entry(q: StepQuantities, batch: StepBatch, cfg: PathSpaceConfig) -> LossOutput:
-    """Registered ``path_space`` loss: mean over items of SPEC §7.2 ℓ (+ β_KL·KL)."""
+    """Registered ``path_space`` loss: mean over items of docs/algorithms.md §7.2 ℓ (+ β_KL·KL)."""
     needs, _, keys = path_space_requirements(cfg)
     if q.velocity is None:
         raise ValueError("path_space needs StepQuantities.velocity (StepNeeds.VELOCITY)")

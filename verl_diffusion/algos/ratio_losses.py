@@ -1,14 +1,14 @@
-"""Ratio-based per-timestep policy losses: the GRPO family (SPEC §3) and Flow-DPPO (SPEC §4).
+"""Ratio-based per-timestep policy losses: the GRPO family (docs/algorithms.md §3) and Flow-DPPO (docs/algorithms.md §4).
 
 Each loss has three parts, top to bottom in this file:
 
 * a **pure function** ``<name>_loss(tensors..., *, floats...) -> (per-item loss [B], metrics)``: the math of
-  the SPEC section, line by line, tensors and plain floats only (metrics are detached 0-dim tensors);
+  the docs/algorithms.md section, line by line, tensors and plain floats only (metrics are detached 0-dim tensors);
 * a frozen **config** dataclass with the loss's knobs (working defaults = the published preset);
 * a registered **entry** ``entry(q: StepQuantities, batch: StepBatch, cfg) -> LossOutput`` that maps names to
-  the pure function, adds the optional KL to the reference (SPEC §1.7) and averages over items.
+  the pure function, adds the optional KL to the reference (docs/algorithms.md §1.7) and averages over items.
 
-Conventions (SPEC §0): log-probs, log-ratios and KLs are per-element means; all losses are minimised; the
+Conventions (docs/algorithms.md §0): log-probs, log-ratios and KLs are per-element means; all losses are minimised; the
 loss is the mean over items (masked items contribute 0 and stay in the denominator). Shapes: ``B`` items
 (one item = one (sample, step) pair), ``*`` latent dims.
 
@@ -55,10 +55,10 @@ __all__ = [
 
 Metrics = dict[str, torch.Tensor]
 
-# KL-to-reference modes of the GRPO family / DPPO (SPEC §1.7): a subset of kl.KL_MODES.
+# KL-to-reference modes of the GRPO family / DPPO (docs/algorithms.md §1.7): a subset of kl.KL_MODES.
 RATIO_KL_MODES = tuple(m for m in KL_MODES if m in ("exact", "flow_grpo_legacy"))
 
-# StepBatch fields the reference KL reads when kl_coef > 0 (c^v, τ, t and t_next for Δt; SPEC §1.2, §1.7).
+# StepBatch fields the reference KL reads when kl_coef > 0 (c^v, τ, t and t_next for Δt; docs/algorithms.md §1.2, §1.7).
 KL_BATCH_KEYS = ("c_v", "std", "t", "t_next")
 
 
@@ -68,7 +68,7 @@ KL_BATCH_KEYS = ("c_v", "std", "t", "t_next")
 
 
 def _work(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast to a common dtype of at least float32 (SPEC §0.5)."""
+    """Cast to a common dtype of at least float32 (docs/algorithms.md §0.5)."""
     wd = torch.float32
     for t in ts:
         wd = torch.promote_types(wd, t.dtype)
@@ -93,7 +93,7 @@ def _clip_bounds(clip_range: float, clip_range_low: Optional[float], clip_range_
 
 
 def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, lo: float, hi: float) -> Metrics:
-    """clipfrac (+ split ρ > 1 + ε_hi / ρ < 1 − ε_lo), ratio mean/std, approx_kl = ½·mean(log ρ)² (SPEC §3.1)."""
+    """clipfrac (+ split ρ > 1 + ε_hi / ρ < 1 − ε_lo), ratio mean/std, approx_kl = ½·mean(log ρ)² (docs/algorithms.md §3.1)."""
     r = ratio.detach()
     above = (r > 1.0 + hi).to(r.dtype)
     below = (r < 1.0 - lo).to(r.dtype)
@@ -110,7 +110,7 @@ def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, lo: float, hi: 
 
 def _add_kl(per_item: torch.Tensor, metrics: Metrics, ref_kl: Optional[torch.Tensor], kl_coef: float
             ) -> torch.Tensor:
-    """per_item + β_KL·KL (SPEC §3.1, §4.2); logs ``actor/kl`` when a KL is given."""
+    """per_item + β_KL·KL (docs/algorithms.md §3.1, §4.2); logs ``actor/kl`` when a KL is given."""
     if ref_kl is None or kl_coef == 0:
         return per_item
     metrics["actor/kl"] = ref_kl.detach().mean()
@@ -118,7 +118,7 @@ def _add_kl(per_item: torch.Tensor, metrics: Metrics, ref_kl: Optional[torch.Ten
 
 
 def _clipped(advantages: torch.Tensor, ratio: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """L^clip = max(−A·ρ, −A·clip(ρ, 1 − ε_lo, 1 + ε_hi)) per item (SPEC §3.1)."""
+    """L^clip = max(−A·ρ, −A·clip(ρ, 1 − ε_lo, 1 + ε_hi)) per item (docs/algorithms.md §3.1)."""
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - lo, 1.0 + hi))
 
 
@@ -131,7 +131,7 @@ def clipped_surrogate_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, a
                            clip_range: float, clip_range_low: Optional[float] = None,
                            clip_range_high: Optional[float] = None, ref_kl: Optional[torch.Tensor] = None,
                            kl_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
-    """Flow-GRPO clipped surrogate (SPEC §3.1; Liu et al. 2025, arXiv 2505.05470). Also DanceGRPO, Flow-CPS.
+    """Flow-GRPO clipped surrogate (docs/algorithms.md §3.1; Liu et al. 2025, arXiv 2505.05470). Also DanceGRPO, Flow-CPS.
 
     ρ = exp(ℓ_θ − ℓ_old) in the sampler's log-prob convention;
     L_i = max(−A·ρ, −A·clip(ρ, 1 − ε_lo, 1 + ε_hi)) + β_KL·KL_i.
@@ -139,7 +139,7 @@ def clipped_surrogate_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, a
     Args:
         log_prob: ℓ_θ [B] (with grad).  old_log_prob: ℓ_old [B].  advantages: A [B].
         clip_range: ε_clip; clip_range_low / clip_range_high override ε_lo / ε_hi.
-        ref_kl: KL to the reference [B] (SPEC §1.7) or None.  kl_coef: β_KL.
+        ref_kl: KL to the reference [B] (docs/algorithms.md §1.7) or None.  kl_coef: β_KL.
     Returns: (per-item loss [B], metrics: clipfrac(_high/_low), ratio_mean/std, approx_kl[, kl]).
     """
     lo, hi = _clip_bounds(clip_range, clip_range_low, clip_range_high)
@@ -151,7 +151,7 @@ def clipped_surrogate_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, a
     return _add_kl(per_item, metrics, ref_kl, kl_coef), metrics
 
 
-# The Flow-GRPO loss under its registry name (STYLE: functions named after the paper's loss).
+# The Flow-GRPO loss under its registry name (functions are named after the paper's loss).
 flow_grpo_loss = clipped_surrogate_loss
 
 
@@ -160,12 +160,12 @@ def tempflow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advan
                        clip_range_low: Optional[float] = None, clip_range_high: Optional[float] = None,
                        ref_kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0
                        ) -> tuple[torch.Tensor, Metrics]:
-    """TempFlow-GRPO noise-aware weighting (SPEC §3.3): L_i = c·τ_k·L^clip_i + β_KL·KL_i.
+    """TempFlow-GRPO noise-aware weighting (docs/algorithms.md §3.3): L_i = c·τ_k·L^clip_i + β_KL·KL_i.
 
     Args:
         log_prob, old_log_prob: [B].  advantages: per-step (process) advantages A_k [B].  std: τ_k [B].
         scale: c > 0 (public code 2.25).  clip_range(_low/_high), ref_kl, kl_coef: as
-        :func:`clipped_surrogate_loss` (KL with exact τ, SPEC §3.3).
+        :func:`clipped_surrogate_loss` (KL with exact τ, docs/algorithms.md §3.3).
     Returns: (per-item loss [B], metrics as clipped_surrogate_loss).
     """
     lo, hi = _clip_bounds(clip_range, clip_range_low, clip_range_high)
@@ -179,7 +179,7 @@ def tempflow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advan
 
 def guard_log_ratio(mean: torch.Tensor, old_mean: torch.Tensor, x_next: torch.Tensor, std: torch.Tensor
                     ) -> torch.Tensor:
-    """GRPO-Guard normalised log-ratio log ρ^G = ⟨μ_θ − μ_old, z⟩_e, z = (x' − μ_old)/τ (SPEC §3.2).
+    """GRPO-Guard normalised log-ratio log ρ^G = ⟨μ_θ − μ_old, z⟩_e, z = (x' − μ_old)/τ (docs/algorithms.md §3.2).
 
     Equals (ℓr + D)·τ = c^v·⟨Δv, z⟩_e; E_z[log ρ^G] = 0 for any Δv.
     Args: mean, old_mean, x_next: [B, *].  std: τ [B].  Returns: [B], dtype at least float32.
@@ -194,7 +194,7 @@ def grpo_guard_loss(mean: torch.Tensor, old_mean: torch.Tensor, x_next: torch.Te
                     clip_range_low: Optional[float] = None, clip_range_high: Optional[float] = None,
                     ref_kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0
                     ) -> tuple[torch.Tensor, Metrics]:
-    """GRPO-Guard RatioNorm + step reweighting (SPEC §3.2).
+    """GRPO-Guard RatioNorm + step reweighting (docs/algorithms.md §3.2).
 
     log ρ^G = (ℓr + D)·τ = ⟨Δμ, z⟩_e = c^v·⟨Δv, z⟩_e with Δμ = μ_θ − μ_old, z = (x' − μ_old)/τ;
     L_i = max(−A·ρ^G, −A·clip(ρ^G, 1 − ε_lo, 1 + ε_hi)) / Δt_k + β_KL·KL_i. Each item uses its own τ, Δt.
@@ -214,13 +214,13 @@ def grpo_guard_loss(mean: torch.Tensor, old_mean: torch.Tensor, x_next: torch.Te
 
 
 class DppoMask(str, enum.Enum):
-    """Flow-DPPO mask variants (SPEC §4.2)."""
+    """Flow-DPPO mask variants (docs/algorithms.md §4.2)."""
 
     # Block iff D > δ and A·(ρ − 1) > 0.
     ORIGINAL = "original"
     # Block iff D > δ and A·(ℓr − D) > 0.
     FIRST_ORDER = "first_order"
-    # Block iff D̂ = D + λF + λ²Q > δ and F + λQ > 0 [choice SPEC §9.8].
+    # Block iff D̂ = D + λF + λ²Q > δ and F + λQ > 0 [choice docs/algorithms.md §9.8].
     PREDICTIVE = "predictive"
 
 
@@ -229,7 +229,7 @@ DPPO_MASKS = tuple(m.value for m in DppoMask)
 
 def dppo_predictive_terms(advantages: torch.Tensor, log_ratio: torch.Tensor, divergence: torch.Tensor,
                           std: torch.Tensor, residual_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """First- and second-order terms of the predicted divergence D̂ = D + λF + λ²Q (SPEC §4.2, §4.3).
+    """First- and second-order terms of the predicted divergence D̂ = D + λF + λ²Q (docs/algorithms.md §4.2, §4.3).
 
     F = A·ρ·(ℓr − D)/τ²,  Q = A²·ρ²·‖x' − μ_θ‖²_e/(2τ⁶),  ρ = exp(ℓr).
 
@@ -247,7 +247,7 @@ def dppo_keep_mask(advantages: torch.Tensor, log_ratio: torch.Tensor, divergence
                    mask: str = "original", threshold: float = 1e-5, std: Optional[torch.Tensor] = None,
                    residual_sq: Optional[torch.Tensor] = None, predictive_lambda: Optional[float] = None
                    ) -> torch.Tensor:
-    """Flow-DPPO trust-region mask M (1 = keep, 0 = blocked), no gradient (SPEC §4.2).
+    """Flow-DPPO trust-region mask M (1 = keep, 0 = blocked), no gradient (docs/algorithms.md §4.2).
 
     original: block iff D > δ and A·(ρ − 1) > 0 (evaluated as A·ℓr > 0: same sign, no exp round-off);
     first_order: block iff D > δ and A·(ℓr − D) > 0;
@@ -278,7 +278,7 @@ def flow_dppo_loss(mean: torch.Tensor, old_mean: torch.Tensor, x_next: torch.Ten
                    advantages: torch.Tensor, *, mask: str = "original", threshold: float = 1e-5,
                    predictive_lambda: Optional[float] = None, ref_kl: Optional[torch.Tensor] = None,
                    kl_coef: float = 0.0) -> tuple[torch.Tensor, Metrics]:
-    """Flow-DPPO divergence-masked surrogate (SPEC §4; no ratio clipping).
+    """Flow-DPPO divergence-masked surrogate (docs/algorithms.md §4; no ratio clipping).
 
     ℓr = exact normalised per-element log-ratio at x' (whatever the rollout's convention), ρ = exp(ℓr),
     D = ‖μ_θ − μ_old‖²_e/(2τ²); L_i = −A·ρ·sg(M_i) + β_KL·KL_i with M from :func:`dppo_keep_mask`.
@@ -327,7 +327,7 @@ def _check_clip(name: str, clip_range: float, low: Optional[float], high: Option
                           (f"{name}.clip_range_high", high)):
         if v is not None and not float(v) > 0:
             raise ValueError(f"{field_name}={v!r} is invalid; pass a float > 0 (per-element-mean log-probs "
-                             f"need tiny ranges, e.g. 1e-4; SPEC §3.1)")
+                             f"need tiny ranges, e.g. 1e-4; docs/algorithms.md §3.1)")
 
 
 def _check_kl(name: str, kl_coef: float, kl_mode: str, sampler: Optional[str] = None) -> None:
@@ -340,7 +340,7 @@ def _check_kl(name: str, kl_coef: float, kl_mode: str, sampler: Optional[str] = 
 
 @dataclass(frozen=True)
 class FlowGrpoConfig:
-    """Flow-GRPO (SPEC §3.1). Defaults: the SD3.5 GenEval / OCR preset."""
+    """Flow-GRPO (docs/algorithms.md §3.1). Defaults: the SD3.5 GenEval / OCR preset."""
 
     # ε_clip: symmetric clip range of ρ = exp(ℓ_θ − ℓ_old). Tiny because log-probs are per-element means.
     clip_range: float = 1e-4
@@ -350,7 +350,7 @@ class FlowGrpoConfig:
     clip_range_high: Optional[float] = None
     # β_KL on the KL to the reference policy; 0 turns it (and the reference forward) off. PickScore: 0.01.
     kl_coef: float = 0.04
-    # KL formula (SPEC §1.7): exact | flow_grpo_legacy (÷2g² instead of ÷2τ²; what the published β assume).
+    # KL formula (docs/algorithms.md §1.7): exact | flow_grpo_legacy (÷2g² instead of ÷2τ²; what the published β assume).
     kl_mode: str = "flow_grpo_legacy"
     # Rollout sampler (rollout.sde.type); only flow_grpo_legacy reads it (CPS legacy = exact).
     sampler: str = "flow_sde"
@@ -362,7 +362,7 @@ class FlowGrpoConfig:
 
 @dataclass(frozen=True)
 class DanceGrpoConfig:
-    """DanceGRPO (SPEC §3.1 preset): the Flow-GRPO surrogate on Dance-SDE steps; group-std advantages (§2.1)."""
+    """DanceGRPO (docs/algorithms.md §3.1 preset): the Flow-GRPO surrogate on Dance-SDE steps; group-std advantages (§2.1)."""
 
     # ε_clip (symmetric).
     clip_range: float = 1e-4
@@ -372,7 +372,7 @@ class DanceGrpoConfig:
     clip_range_high: Optional[float] = None
     # β_KL; the DanceGRPO preset trains without a reference KL.
     kl_coef: float = 0.0
-    # KL formula when kl_coef > 0 (SPEC §1.7).
+    # KL formula when kl_coef > 0 (docs/algorithms.md §1.7).
     kl_mode: str = "exact"
     # Rollout sampler (rollout.sde.type); only flow_grpo_legacy reads it.
     sampler: str = "dance"
@@ -384,7 +384,7 @@ class DanceGrpoConfig:
 
 @dataclass(frozen=True)
 class GrpoGuardConfig:
-    """GRPO-Guard (SPEC §3.2). Defaults: the published preset (Flow-SDE, exact log-probs, group std)."""
+    """GRPO-Guard (docs/algorithms.md §3.2). Defaults: the published preset (Flow-SDE, exact log-probs, group std)."""
 
     # ε_clip on ρ^G = exp(c^v·⟨Δv, z⟩_e).
     clip_range: float = 2e-6
@@ -394,7 +394,7 @@ class GrpoGuardConfig:
     clip_range_high: Optional[float] = None
     # β_KL; the preset uses none.
     kl_coef: float = 0.0
-    # KL formula when kl_coef > 0 (SPEC §1.7).
+    # KL formula when kl_coef > 0 (docs/algorithms.md §1.7).
     kl_mode: str = "exact"
     # Rollout sampler; only flow_grpo_legacy reads it.
     sampler: str = "flow_sde"
@@ -406,7 +406,7 @@ class GrpoGuardConfig:
 
 @dataclass(frozen=True)
 class TempFlowGrpoConfig:
-    """TempFlow-GRPO (SPEC §3.3): c·τ_k·L^clip with per-step (process) advantages."""
+    """TempFlow-GRPO (docs/algorithms.md §3.3): c·τ_k·L^clip with per-step (process) advantages."""
 
     # c > 0: constant in front of τ_k·L^clip (public code 2.25).
     scale: float = 2.25
@@ -416,9 +416,9 @@ class TempFlowGrpoConfig:
     clip_range_low: Optional[float] = None
     # ε_hi; None = clip_range.
     clip_range_high: Optional[float] = None
-    # β_KL; off by default [choice: SPEC gives no value].
+    # β_KL; off by default [choice: the papers give no value].
     kl_coef: float = 0.0
-    # KL formula: SPEC §3.3 uses exact τ_k.
+    # KL formula: docs/algorithms.md §3.3 uses exact τ_k.
     kl_mode: str = "exact"
     # Rollout sampler; only flow_grpo_legacy reads it.
     sampler: str = "flow_sde"
@@ -432,19 +432,19 @@ class TempFlowGrpoConfig:
 
 @dataclass(frozen=True)
 class FlowDppoConfig:
-    """Flow-DPPO (SPEC §4). Defaults: original mask, δ = 1e-5, no reference KL."""
+    """Flow-DPPO (docs/algorithms.md §4). Defaults: original mask, δ = 1e-5, no reference KL."""
 
-    # Mask variant: original | first_order | predictive (SPEC §4.2).
+    # Mask variant: original | first_order | predictive (docs/algorithms.md §4.2).
     mask: str = "original"
     # δ: per-element-mean divergence threshold with exact τ normalisation (same for Flow-SDE and CPS).
     threshold: float = 1e-5
-    # λ = η_μ/d of the predictive mask; read only when mask = predictive, then must be > 0. SPEC gives no
+    # λ = η_μ/d of the predictive mask; read only when mask = predictive, then must be > 0. The paper gives no
     # default; 3e-4 is our [choice]: a per-element velocity change of ~1e-2 at SD3.5 scale (d = 65,536,
     # τ ≈ 0.35, |c^v| ≈ 0.1) makes λ²Q comparable to δ. Tune it per model.
     predictive_lambda: float = 3e-4
-    # β_KL on the exact KL to the reference (SPEC §4.2, optional).
+    # β_KL on the exact KL to the reference (docs/algorithms.md §4.2, optional).
     kl_coef: float = 0.0
-    # KL formula when kl_coef > 0 (SPEC §4.2: exact).
+    # KL formula when kl_coef > 0 (docs/algorithms.md §4.2: exact).
     kl_mode: str = "exact"
     # Rollout sampler; only flow_grpo_legacy reads it.
     sampler: str = "flow_sde"
@@ -455,7 +455,7 @@ class FlowDppoConfig:
             raise ValueError(f"flow_dppo.threshold={self.threshold!r} is invalid; pass δ > 0 (default 1e-5)")
         if self.mask == DppoMask.PREDICTIVE and not float(self.predictive_lambda) > 0:
             raise ValueError(f"flow_dppo.predictive_lambda={self.predictive_lambda!r} is invalid for "
-                             f"mask='predictive'; pass λ > 0 (λ = η_μ/d, SPEC §4.3; default 3e-4)")
+                             f"mask='predictive'; pass λ > 0 (λ = η_μ/d, docs/algorithms.md §4.3; default 3e-4)")
         _check_kl("flow_dppo", self.kl_coef, self.kl_mode, self.sampler)
 
 
@@ -485,7 +485,7 @@ def _check_inputs(q: StepQuantities, batch: StepBatch, q_names: tuple[str, ...],
 
 
 def _reference_kl(q: StepQuantities, batch: StepBatch, cfg, loss_name: str) -> Optional[torch.Tensor]:
-    """KL_{i,k} to the reference (SPEC §1.7) when cfg.kl_coef > 0, else None.  [B]."""
+    """KL_{i,k} to the reference (docs/algorithms.md §1.7) when cfg.kl_coef > 0, else None.  [B]."""
     if not cfg.kl_coef > 0:
         return None
     batch.require(KL_BATCH_KEYS, loss_name)
@@ -512,7 +512,7 @@ _GRPO_KEYS = _keys("advantages", "old_log_prob")
 
 @register_loss("flow_grpo", needs=_GRPO_NEEDS, batch_keys=_GRPO_KEYS, config=FlowGrpoConfig)
 def flow_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: FlowGrpoConfig) -> LossOutput:
-    """Flow-GRPO (SPEC §3.1): clipped surrogate on q.log_prob vs batch.old_log_prob + β·KL."""
+    """Flow-GRPO (docs/algorithms.md §3.1): clipped surrogate on q.log_prob vs batch.old_log_prob + β·KL."""
     batch.require(("advantages", "old_log_prob"), "flow_grpo")
     _check_inputs(q, batch, ("log_prob",), "flow_grpo")
     per_item, metrics = clipped_surrogate_loss(
@@ -524,7 +524,7 @@ def flow_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: FlowGrpoConfig) ->
 
 @register_loss("dance_grpo", needs=_GRPO_NEEDS, batch_keys=_GRPO_KEYS, config=DanceGrpoConfig)
 def dance_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: DanceGrpoConfig) -> LossOutput:
-    """DanceGRPO (SPEC §3.1 preset): the Flow-GRPO surrogate; Dance-SDE coefficients come from the sampler."""
+    """DanceGRPO (docs/algorithms.md §3.1 preset): the Flow-GRPO surrogate; Dance-SDE coefficients come from the sampler."""
     batch.require(("advantages", "old_log_prob"), "dance_grpo")
     _check_inputs(q, batch, ("log_prob",), "dance_grpo")
     per_item, metrics = clipped_surrogate_loss(
@@ -540,7 +540,7 @@ _GUARD_KEYS = _keys("advantages", "old_mean", "x_next", "std", "t", "t_next")
 @register_loss("grpo_guard", needs=StepNeeds.MEAN | StepNeeds.VELOCITY, batch_keys=_GUARD_KEYS,
                config=GrpoGuardConfig)
 def grpo_guard_entry(q: StepQuantities, batch: StepBatch, cfg: GrpoGuardConfig) -> LossOutput:
-    """GRPO-Guard (SPEC §3.2): log ρ^G = ⟨μ_θ − μ_old, z⟩_e (= c^v·⟨Δv, z⟩_e), clipped, ÷ Δt_k."""
+    """GRPO-Guard (docs/algorithms.md §3.2): log ρ^G = ⟨μ_θ − μ_old, z⟩_e (= c^v·⟨Δv, z⟩_e), clipped, ÷ Δt_k."""
     batch.require(_GUARD_KEYS, "grpo_guard")
     _check_inputs(q, batch, ("mean",), "grpo_guard")
     per_item, metrics = grpo_guard_loss(
@@ -556,7 +556,7 @@ _TEMPFLOW_KEYS = _keys("advantages", "old_log_prob", "std")
 
 @register_loss("tempflow_grpo", needs=_GRPO_NEEDS, batch_keys=_TEMPFLOW_KEYS, config=TempFlowGrpoConfig)
 def tempflow_grpo_entry(q: StepQuantities, batch: StepBatch, cfg: TempFlowGrpoConfig) -> LossOutput:
-    """TempFlow-GRPO (SPEC §3.3): c·τ_k·L^clip with batch.step_advantages (fallback: batch.advantages)."""
+    """TempFlow-GRPO (docs/algorithms.md §3.3): c·τ_k·L^clip with batch.step_advantages (fallback: batch.advantages)."""
     batch.require(_TEMPFLOW_KEYS, "tempflow_grpo")
     _check_inputs(q, batch, ("log_prob",), "tempflow_grpo")
     adv = batch.step_advantages if batch.step_advantages is not None else batch.advantages
@@ -573,7 +573,7 @@ _DPPO_KEYS = _keys("advantages", "old_mean", "x_next", "std")
 @register_loss("flow_dppo", needs=StepNeeds.MEAN | StepNeeds.VELOCITY, batch_keys=_DPPO_KEYS,
                config=FlowDppoConfig)
 def flow_dppo_entry(q: StepQuantities, batch: StepBatch, cfg: FlowDppoConfig) -> LossOutput:
-    """Flow-DPPO (SPEC §4): exact ℓr and D from q.mean vs batch.old_mean at batch.x_next, masked, no clip."""
+    """Flow-DPPO (docs/algorithms.md §4): exact ℓr and D from q.mean vs batch.old_mean at batch.x_next, masked, no clip."""
     batch.require(_DPPO_KEYS, "flow_dppo")
     _check_inputs(q, batch, ("mean",), "flow_dppo")
     per_item, metrics = flow_dppo_loss(

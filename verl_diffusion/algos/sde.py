@@ -1,6 +1,6 @@
-"""The shared SDE kernel: grid, sampler coefficients, Gaussian step, log-prob and KL (SPEC §1).
+"""The shared SDE kernel: grid, sampler coefficients, Gaussian step, log-prob and KL (docs/algorithms.md §1).
 
-Every stochastic sampler is an affine-Gaussian step (SPEC §1.2)::
+Every stochastic sampler is an affine-Gaussian step (docs/algorithms.md §1.2)::
 
     μ = c_x·x + c_v·v,        x' = μ + τ·z,  z ~ N(0, I)
 
@@ -10,9 +10,9 @@ from this module, so that the on-policy log-prob recomputed in training is bitwi
 reason the functions here are deterministic and contain no Python branch on tensor *values* in the
 computation itself (the only value checks raise errors, e.g. a log-prob asked for at τ = 0).
 
-Conventions (SPEC §0): flow time t = 1 is noise, t = 0 is data; grid t_0 = 1 > … > t_N = 0 ("sigmas");
+Conventions (docs/algorithms.md §0): flow time t = 1 is noise, t = 0 is data; grid t_0 = 1 > … > t_N = 0 ("sigmas");
 step k maps t_k → t_{k+1}, dt = t_{k+1} − t_k < 0, Δt = −dt. Log-probs and KLs are per-element means over
-the latent dims (SPEC §0.3). Shapes: ``B`` samples, ``*`` latent dims.
+the latent dims (docs/algorithms.md §0.3). Shapes: ``B`` samples, ``*`` latent dims.
 
 Dtypes: coefficients are computed in float64 and returned in the dtype of the time tensors given
 (``sigmas`` / ``t``). Means follow torch type promotion of ``x``, ``v`` and the coefficients, at least
@@ -52,9 +52,9 @@ __all__ = [
     "total_variation",
 ]
 
-# Sampler names (SPEC §1.3–§1.6).
+# Sampler names (docs/algorithms.md §1.3–§1.6).
 SAMPLERS = ("flow_sde", "cps", "dance", "ode")
-# Log-prob conventions (SPEC §1.2 `exact`, §1.4 `unnormalized` = −‖x' − μ‖²_e).
+# Log-prob conventions (docs/algorithms.md §1.2 `exact`, §1.4 `unnormalized` = −‖x' − μ‖²_e).
 LOG_PROB_CONVENTIONS = ("exact", "unnormalized")
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -66,7 +66,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 def make_grid(num_steps: int, shift: float = 3.0, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Shifted sampling grid t_0 = 1 > … > t_N = 0 (SPEC §1.1).
+    """Shifted sampling grid t_0 = 1 > … > t_N = 0 (docs/algorithms.md §1.1).
 
     u_k = 1 − k/N, t_k = S·u_k / (1 + (S − 1)·u_k); S = 1 is uniform, SD3/SD3.5 use S = 3.
     Computed in float64, returned in ``dtype``. Model-specific grids may be passed explicitly to
@@ -92,7 +92,7 @@ def make_grid(num_steps: int, shift: float = 3.0, *, dtype: torch.dtype = torch.
 
 @dataclass
 class StepCoefficients:
-    """Per-sample coefficients of one affine-Gaussian step (SPEC §1.2): μ = c_x·x + c_v·v, std τ.
+    """Per-sample coefficients of one affine-Gaussian step (docs/algorithms.md §1.2): μ = c_x·x + c_v·v, std τ.
 
     Each field is [B] (or a 0-dim tensor for one shared step), same dtype.
     """
@@ -128,7 +128,7 @@ def _check_noise_level(name: str, value: float, upper: Optional[float] = None) -
 
 
 def _coefficients_from_g(t: torch.Tensor, dt: torch.Tensor, g: torch.Tensor) -> tuple:
-    """Flow-SDE-form step with diffusion g (SPEC §1.3 / §1.5), all float64: (c_x, c_v, τ)."""
+    """Flow-SDE-form step with diffusion g (docs/algorithms.md §1.3 / §1.5), all float64: (c_x, c_v, τ)."""
     g2 = g * g
     c_x = 1.0 + g2 * dt / (2.0 * t)
     c_v = (1.0 + g2 * (1.0 - t) / (2.0 * t)) * dt
@@ -138,7 +138,7 @@ def _coefficients_from_g(t: torch.Tensor, dt: torch.Tensor, g: torch.Tensor) -> 
 
 def flow_sde_coefficients(t: TensorLike, t_next: TensorLike, *, noise_level: float,
                           t_sub: TensorLike) -> StepCoefficients:
-    """Flow-SDE (Flow-GRPO) coefficients (SPEC §1.3; Liu et al. 2025, arXiv 2505.05470).
+    """Flow-SDE (Flow-GRPO) coefficients (docs/algorithms.md §1.3; Liu et al. 2025, arXiv 2505.05470).
 
     g = a·√(t / (1 − t̃)) with t̃ = t if t < 1 else ``t_sub`` (σ = 1 substitution: only the denominator);
     c_x = 1 + g²·dt/(2t), c_v = (1 + g²·(1 − t)/(2t))·dt, τ = g·√Δt. At t = 1: c_x = 1 − a²/2, c_v = dt,
@@ -159,7 +159,7 @@ def flow_sde_coefficients(t: TensorLike, t_next: TensorLike, *, noise_level: flo
 
 
 def cps_coefficients(t: TensorLike, t_next: TensorLike, *, noise_level: float) -> StepCoefficients:
-    """Coefficient-preserving sampling (Flow-CPS) coefficients (SPEC §1.4).
+    """Coefficient-preserving sampling (Flow-CPS) coefficients (docs/algorithms.md §1.4).
 
     τ = t'·sin(aπ/2), r = t'·cos(aπ/2) (t' = t_next); μ = (1 − t')·x̂0 + r·x̂1 with x̂0 = x − t·v,
     x̂1 = x + (1 − t)·v, i.e. c_x = (1 − t') + r, c_v = −t·(1 − t') + r·(1 − t). The last step (t' = 0)
@@ -179,7 +179,7 @@ def cps_coefficients(t: TensorLike, t_next: TensorLike, *, noise_level: float) -
 
 
 def dance_coefficients(t: TensorLike, t_next: TensorLike, *, noise_level: float) -> StepCoefficients:
-    """Dance-SDE (DanceGRPO) coefficients (SPEC §1.5): Flow-SDE form with constant g = η_D.
+    """Dance-SDE (DanceGRPO) coefficients (docs/algorithms.md §1.5): Flow-SDE form with constant g = η_D.
 
     c_x = 1 + η_D²·dt/(2t), c_v = (1 + η_D²·(1 − t)/(2t))·dt, τ = η_D·√Δt. η_D = 0 gives Euler.
 
@@ -196,7 +196,7 @@ def dance_coefficients(t: TensorLike, t_next: TensorLike, *, noise_level: float)
 
 
 def ode_coefficients(t: TensorLike, t_next: TensorLike) -> StepCoefficients:
-    """Euler ODE step (SPEC §1.6): c_x = 1, c_v = dt, τ = 0 (no log-prob).
+    """Euler ODE step (docs/algorithms.md §1.6): c_x = 1, c_v = dt, τ = 0 (no log-prob).
 
     Args: t, t_next: [B] (or 0-dim).
     Returns: StepCoefficients, [B] each, in t's dtype.
@@ -209,7 +209,7 @@ def ode_coefficients(t: TensorLike, t_next: TensorLike) -> StepCoefficients:
 
 def sampler_coefficients(sampler: str, sigmas: torch.Tensor, step: Union[int, torch.Tensor], *,
                          noise_level: float) -> StepCoefficients:
-    """Coefficients of step k (t_k → t_{k+1}) for a named sampler on a grid (SPEC §1.2–§1.6).
+    """Coefficients of step k (t_k → t_{k+1}) for a named sampler on a grid (docs/algorithms.md §1.2–§1.6).
 
     Args:
       sampler: one of :data:`SAMPLERS`.
@@ -269,10 +269,10 @@ def _work_dtype(*ts: torch.Tensor) -> torch.dtype:
 
 
 def step_mean(x: torch.Tensor, v: torch.Tensor, coef: StepCoefficients) -> torch.Tensor:
-    """Mean of the step, μ = c_x·x + c_v·v (SPEC §1.2).
+    """Mean of the step, μ = c_x·x + c_v·v (docs/algorithms.md §1.2).
 
     Args: x, v: [B, *].  coef: [B] (or 0-dim) each, broadcast over the latent dims.
-    Returns: μ [B, *] in the promoted dtype of x, v and the coefficients, at least float32 (SPEC §0.5; also
+    Returns: μ [B, *] in the promoted dtype of x, v and the coefficients, at least float32 (docs/algorithms.md §0.5; also
       for 0-dim coefficients, which torch promotion would otherwise let bf16 latents override).
     """
     wd = _work_dtype(x, v, coef.c_x, coef.c_v)
@@ -304,7 +304,7 @@ def _refuse_zero_std(std: torch.Tensor, what: str) -> None:
 
 def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *,
                       convention: str = "exact") -> torch.Tensor:
-    """Log-prob of x' under N(μ, τ²I), per-element mean (SPEC §1.2, §1.4).
+    """Log-prob of x' under N(μ, τ²I), per-element mean (docs/algorithms.md §1.2, §1.4).
 
     exact: ℓ = −‖x' − μ‖²_e/(2τ²) − log τ − ½·log(2π).  unnormalized: ℓ^u = −‖x' − μ‖²_e.
     Refuses τ ≤ 0 (ODE step, last CPS step, a = 0) with a ValueError for both conventions.
@@ -324,7 +324,7 @@ def _per_sample_1d(std: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepOutput:
-    """Result of one sampler step (SPEC §1.2).
+    """Result of one sampler step (docs/algorithms.md §1.2).
 
     next_x: x' [B, *].  mean: μ [B, *].  std: τ [B].  log_prob: ℓ(x' | x) [B], or None when τ = 0 for the
     whole batch (entries with τ = 0 in a mixed batch are 0 and must be masked).  noise: z [B, *] used
@@ -340,7 +340,7 @@ class StepOutput:
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, coef: StepCoefficients, *, noise: Optional[torch.Tensor] = None,
              generator: Optional[torch.Generator] = None, convention: str = "exact") -> StepOutput:
-    """One affine-Gaussian step x' = μ + τ·z and its log-prob (SPEC §1.2).
+    """One affine-Gaussian step x' = μ + τ·z and its log-prob (docs/algorithms.md §1.2).
 
     Draws z ~ N(0, I) with ``generator`` (shape and dtype of x) unless ``noise`` is given; z is always drawn
     (even where τ = 0), so the RNG stream does not depend on coefficient values. The log-prob uses exactly
@@ -369,7 +369,7 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, coef: StepCoefficients, *, noise:
 def flow_sde_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: TensorLike, *, noise_level: float,
                   t_sub: TensorLike, noise: Optional[torch.Tensor] = None,
                   generator: Optional[torch.Generator] = None, convention: str = "exact") -> StepOutput:
-    """Flow-SDE step (SPEC §1.3): :func:`flow_sde_coefficients` + :func:`sde_step`. t, t_next: [B] or 0-dim."""
+    """Flow-SDE step (docs/algorithms.md §1.3): :func:`flow_sde_coefficients` + :func:`sde_step`. t, t_next: [B] or 0-dim."""
     coef = flow_sde_coefficients(t, t_next, noise_level=noise_level, t_sub=t_sub)
     return sde_step(x, v, coef, noise=noise, generator=generator, convention=convention)
 
@@ -377,7 +377,7 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: Tenso
 def cps_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: TensorLike, *, noise_level: float,
              noise: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
              convention: str = "exact") -> StepOutput:
-    """CPS step (SPEC §1.4): :func:`cps_coefficients` + :func:`sde_step`. t, t_next: [B] or 0-dim."""
+    """CPS step (docs/algorithms.md §1.4): :func:`cps_coefficients` + :func:`sde_step`. t, t_next: [B] or 0-dim."""
     coef = cps_coefficients(t, t_next, noise_level=noise_level)
     return sde_step(x, v, coef, noise=noise, generator=generator, convention=convention)
 
@@ -385,13 +385,13 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: TensorLike
 def dance_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: TensorLike, *, noise_level: float,
                noise: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
                convention: str = "exact") -> StepOutput:
-    """Dance-SDE step (SPEC §1.5): :func:`dance_coefficients` + :func:`sde_step`. t, t_next: [B] or 0-dim."""
+    """Dance-SDE step (docs/algorithms.md §1.5): :func:`dance_coefficients` + :func:`sde_step`. t, t_next: [B] or 0-dim."""
     coef = dance_coefficients(t, t_next, noise_level=noise_level)
     return sde_step(x, v, coef, noise=noise, generator=generator, convention=convention)
 
 
 def ode_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: TensorLike) -> StepOutput:
-    """Euler ODE step x' = x + v·dt (SPEC §1.6); draws no noise, log_prob None, std zeros [B]."""
+    """Euler ODE step x' = x + v·dt (docs/algorithms.md §1.6); draws no noise, log_prob None, std zeros [B]."""
     coef = ode_coefficients(t, t_next)
     mean = step_mean(x, v, coef)
     return StepOutput(next_x=mean, mean=mean, std=_per_sample_1d(coef.std, x), log_prob=None, noise=None)
@@ -403,7 +403,7 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t: TensorLike, t_next: TensorLike
 
 
 def gaussian_step_kl(mean_a: torch.Tensor, mean_b: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Exact per-step KL between N(μ_a, τ²I) and N(μ_b, τ²I), per element: ‖μ_a − μ_b‖²_e/(2τ²) (SPEC §1.2).
+    """Exact per-step KL between N(μ_a, τ²I) and N(μ_b, τ²I), per element: ‖μ_a − μ_b‖²_e/(2τ²) (docs/algorithms.md §1.2).
 
     Symmetric in a, b. With μ = c_x·x + c_v·v at the same x: D = (c_v)²·‖Δv‖²_e/(2τ²).
     Refuses τ ≤ 0.
@@ -420,7 +420,7 @@ def gaussian_step_kl(mean_a: torch.Tensor, mean_b: torch.Tensor, std: torch.Tens
 
 def log_ratio_exact(x_next: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
                     std: torch.Tensor) -> torch.Tensor:
-    """Exact per-element log-ratio ℓr = ℓ_θ − ℓ_old at the stored x' (SPEC §1.2).
+    """Exact per-element log-ratio ℓr = ℓ_θ − ℓ_old at the stored x' (docs/algorithms.md §1.2).
 
     ℓr = (‖x' − μ_old‖²_e − ‖x' − μ_θ‖²_e)/(2τ²) (log τ cancels) = (c_v/τ)·⟨Δv, z⟩_e − D.
     Exactly 0 when mean and old_mean are equal. Refuses τ ≤ 0.
@@ -437,7 +437,7 @@ def log_ratio_exact(x_next: torch.Tensor, mean: torch.Tensor, old_mean: torch.Te
 
 
 def total_variation(kl: torch.Tensor, d: int) -> torch.Tensor:
-    """Total variation between the two step Gaussians, for monitoring (SPEC §1.2).
+    """Total variation between the two step Gaussians, for monitoring (docs/algorithms.md §1.2).
 
     TV = 2Φ(√(d·D/2)) − 1 = erf(√(d·D)/2), with D the per-element KL and d the latent size.
 

@@ -6,7 +6,7 @@ computes exactly those (one trainable forward for ``VELOCITY``; one adapter-disa
 over as :class:`StepQuantities`. Everything θ-independent (stored at rollout, or precomputed right after
 it, such as advantages and the path-space direction ĝ) travels in :class:`StepBatch`.
 
-Shapes: ``B`` = items in the micro-batch (one item = one (sample, step) pair, SPEC §0.4); ``*`` = latent
+Shapes: ``B`` = items in the micro-batch (one item = one (sample, step) pair, docs/algorithms.md §0.4); ``*`` = latent
 dims (C, H, W[, F]). Per-item scalars are ``[B]``. Everything here is pure torch.
 """
 
@@ -20,24 +20,24 @@ import torch
 
 
 class StepNeeds(enum.Flag):
-    """Step quantities a loss reads (SPEC §1.2 names). Combine with ``|``."""
+    """Step quantities a loss reads (docs/algorithms.md §1.2 names). Combine with ``|``."""
 
     NONE = 0
     # v_θ(x_t, t) with grad: one trainable forward.
     VELOCITY = enum.auto()
-    # μ_θ = c^x·x_t + c^v·v_θ of the sampler (SPEC §1.2); derived from VELOCITY, no extra forward.
+    # μ_θ = c^x·x_t + c^v·v_θ of the sampler (docs/algorithms.md §1.2); derived from VELOCITY, no extra forward.
     MEAN = enum.auto()
-    # ℓ_θ(x_next | x_t), exact per-element-mean Gaussian log-prob (SPEC §1.2); derived from MEAN.
+    # ℓ_θ(x_next | x_t), exact per-element-mean Gaussian log-prob (docs/algorithms.md §1.2); derived from MEAN.
     LOG_PROB = enum.auto()
     # v_ref(x_t, t) without grad: reference = base model (LoRA adapter disabled) or a frozen copy.
     REF_VELOCITY = enum.auto()
-    # v_old(x_t, t) recomputed without grad from θ_old at a *fresh* state (forward_noising, SPEC §7.3).
+    # v_old(x_t, t) recomputed without grad from θ_old at a *fresh* state (forward_noising, docs/algorithms.md §7.3).
     # Trajectory losses read the cached StepBatch.old_velocity instead and never set this.
     OLD_VELOCITY_FRESH = enum.auto()
 
 
 class StateSource(str, enum.Enum):
-    """Where the item's state x_t comes from (SPEC §7.3)."""
+    """Where the item's state x_t comes from (docs/algorithms.md §7.3)."""
 
     # Stored rollout states x_{t_k}, k in the trained steps.
     TRAJECTORY = "trajectory"
@@ -63,7 +63,7 @@ class StepBatch:
     x_next: Optional[torch.Tensor] = None
     # Flow time of x_next.  [B]
     t_next: Optional[torch.Tensor] = None
-    # Sampler coefficients of this step (SPEC §1.2): μ = c_x·x + c_v·v, std τ.  [B] each
+    # Sampler coefficients of this step (docs/algorithms.md §1.2): μ = c_x·x + c_v·v, std τ.  [B] each
     c_x: Optional[torch.Tensor] = None
     c_v: Optional[torch.Tensor] = None
     std: Optional[torch.Tensor] = None
@@ -77,11 +77,11 @@ class StepBatch:
     x0: Optional[torch.Tensor] = None
     # Fresh forward-noising ε (forward_noising mode).  [B, *]
     noise: Optional[torch.Tensor] = None
-    # Precomputed θ-independent path-space direction ĝ (SPEC §7.4).  [B, *]
+    # Precomputed θ-independent path-space direction ĝ (docs/algorithms.md §7.4).  [B, *]
     value_direction: Optional[torch.Tensor] = None
     # Group id per item (int).  [B]
     group_ids: Optional[torch.Tensor] = None
-    # Process advantage per item for branched TempFlow rollouts (SPEC §3.3); falls back to advantages.  [B]
+    # Process advantage per item for branched TempFlow rollouts (docs/algorithms.md §3.3); falls back to advantages.  [B]
     step_advantages: Optional[torch.Tensor] = None
 
     def require(self, names: tuple[str, ...], loss_name: str) -> None:

@@ -1,4 +1,4 @@
-"""SDE windows: which sampling steps are stochastic and trained (SPEC §1.8).
+"""SDE windows: which sampling steps are stochastic and trained (docs/algorithms.md §1.8).
 
 A window 𝒲 = {s, …, s + W − 1} with lo ≤ s ≤ hi − W. Steps in 𝒲 use the stochastic sampler, all others
 the ODE; only window steps are stored and trained (𝒦 = 𝒲). With the window disabled (``mode="none"``)
@@ -13,7 +13,7 @@ Modes:
   (MixGRPO: W = 4, N = 25, period = 25, stride = 1).
 
 Presets: Flow-GRPO-Fast W = 2 in [0, N/2); CPS W = 3 in the first half; DPPO contiguous random W = 3 in
-[0, N/2) (SPEC §9.7). Pure Python + torch (only for the seeded draw).
+[0, N/2) (docs/algorithms.md §9.7). Pure Python + torch (only for the seeded draw).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from verl_diffusion.algos.checks import check_choice
 __all__ = ["WINDOW_MODES", "SdeWindowConfig", "window_start", "window_steps", "stochastic_steps",
            "window_bounds"]
 
-# Window modes (SPEC §1.8).
+# Window modes (docs/algorithms.md §1.8).
 WINDOW_MODES = ("none", "fixed", "random", "progressive")
 
 
@@ -38,7 +38,7 @@ def _is_int(x) -> bool:
 
 @dataclass(frozen=True)
 class SdeWindowConfig:
-    """Where the stochastic (and trained) steps lie (SPEC §1.8). Stdlib frozen dataclass, validated on init."""
+    """Where the stochastic (and trained) steps lie (docs/algorithms.md §1.8). Stdlib frozen dataclass, validated on init."""
 
     # none | fixed | random | progressive.
     mode: str = "fixed"
@@ -90,7 +90,7 @@ def window_bounds(cfg: SdeWindowConfig, *, num_steps: int) -> tuple[int, int]:
 
 def window_start(cfg: SdeWindowConfig, *, num_steps: int, iteration: int = 0,
                  generator: Optional[torch.Generator] = None) -> int:
-    """Window start s for this rollout batch (SPEC §1.8); one value shared by all samples.
+    """Window start s for this rollout batch (docs/algorithms.md §1.8); one value shared by all samples.
 
     Args: cfg: window config.  num_steps: N.  iteration: training iteration n (progressive).
       generator: seeds the ``random`` draw (torch default RNG when None); draw once per batch.
@@ -121,7 +121,7 @@ def stochastic_steps(cfg: SdeWindowConfig, *, num_steps: int, iteration: int = 0
 
 def window_steps(cfg: SdeWindowConfig, *, num_steps: int, iteration: int = 0,
                  generator: Optional[torch.Generator] = None) -> list[int]:
-    """Trained steps 𝒦 (SPEC §1.8): the window {s, …, s + W − 1}, or the first ⌊0.99·N⌋ steps for ``none``.
+    """Trained steps 𝒦 (docs/algorithms.md §1.8): the window {s, …, s + W − 1}, or the first ⌊0.99·N⌋ steps for ``none``.
 
     Args: as :func:`window_start` (one ``random`` draw per call: call once per rollout batch and share it).
     Returns: sorted list of step indices k ∈ [0, N − 1].

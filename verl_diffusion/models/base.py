@@ -1,11 +1,11 @@
 """What every model adapter provides: primitives only.
 
 An adapter wraps one architecture's diffusers components and exposes the few operations the rollout and
-the engine combine: encode prompts, evaluate the velocity v_θ(x_t, t, c) (SPEC §0.1), decode latents,
+the engine combine: encode prompts, evaluate the velocity v_θ(x_t, t, c) (docs/algorithms.md §0.1), decode latents,
 the latent shape, the trainable transformer and its LoRA targets. No sampler loop, no loss, no
 ``if algorithm == ...`` lives here.
 
-Time convention (SPEC §0.1): ``t`` ∈ [0, 1], t = 1 is noise; adapters pass 1000·t as the transformer's
+Time convention (docs/algorithms.md §0.1): ``t`` ∈ [0, 1], t = 1 is noise; adapters pass 1000·t as the transformer's
 "timestep". Velocities point from data to noise (v ≈ ε − x0).
 """
 
@@ -136,7 +136,7 @@ class FlowModelAdapter(Protocol):
 
     def velocity(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning, *,
                  guidance_scale: float = 1.0, negative_cond: Optional[Conditioning] = None) -> torch.Tensor:
-        """v_θ(x_t, t, c) (SPEC §0.1). x_t [B, *], t [B] ∈ [0, 1]; returns [B, *] in x_t's dtype.
+        """v_θ(x_t, t, c) (docs/algorithms.md §0.1). x_t [B, *], t [B] ∈ [0, 1]; returns [B, *] in x_t's dtype.
 
         With ``guidance_scale`` ≠ 1: v = v_neg + s·(v_cond − v_neg), ``negative_cond`` required.
         Runs with grad if the caller has grad enabled.
@@ -156,7 +156,7 @@ class FlowModelAdapter(Protocol):
         ...
 
     def sampling_grid(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        """The model's own sampling grid t_0 = 1 > … > t_N (SPEC §0.2, §1.1): float32 [N+1].
+        """The model's own sampling grid t_0 = 1 > … > t_N (docs/algorithms.md §0.2, §1.1): float32 [N+1].
 
         Exactly the sigmas the architecture's diffusers pipeline sets on its scheduler for ``num_steps`` at
         this image size (static shift, or resolution-dependent "dynamic" shift with ``mu``), so the Euler ODE

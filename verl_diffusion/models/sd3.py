@@ -1,12 +1,12 @@
 """Stable Diffusion 3 / 3.5 adapter: primitives over the ``StableDiffusion3Pipeline`` components.
 
 Composes the pipeline (its own ``encode_prompt`` for CLIP-L/G + T5, its VAE and transformer); the sampling
-loop lives in ``verl_diffusion.rollout``, the math in ``verl_diffusion.algos``. SPEC §0.1: t ∈ [0, 1],
+loop lives in ``verl_diffusion.rollout``, the math in ``verl_diffusion.algos``. docs/algorithms.md §0.1: t ∈ [0, 1],
 t = 1 is noise; the transformer receives ``timestep`` = 1000·t.
 
 Latents: [B, 16, H/8, W/8], the VAE's scaled latents (the transformer patchifies internally).
 Grid: the pipeline's scheduler (``FlowMatchEulerDiscreteScheduler(shift=3)`` for SD3.5: at N = 10 the last
-non-zero time is 0.0089, SPEC §1.1), with ``mu`` when the scheduler is configured for dynamic shifting.
+non-zero time is 0.0089, docs/algorithms.md §1.1), with ``mu`` when the scheduler is configured for dynamic shifting.
 CFG: one batched forward of [negative; conditional], v = v_neg + s·(v_cond − v_neg), as the pipeline.
 """
 

@@ -1,14 +1,14 @@
-"""TempFlow-GRPO branched rollout (SPEC §3.3): ODE trunk, K_b stochastic children per branch step.
+"""TempFlow-GRPO branched rollout (docs/algorithms.md §3.3): ODE trunk, K_b stochastic children per branch step.
 
-For each prompt p an ODE trunk x_{t_0} → … → x_{t_N} is sampled (SPEC §1.6). At each branch step k
+For each prompt p an ODE trunk x_{t_0} → … → x_{t_N} is sampled (docs/algorithms.md §1.6). At each branch step k
 (default: every k < N − 1) K_b children leave the trunk state x_{t_k} with one stochastic step of the
-rollout's sampler (Flow-SDE per SPEC §3.3; any sampler of ``algos.sde`` with τ_k > 0 works) through
+rollout's sampler (Flow-SDE per docs/algorithms.md §3.3; any sampler of ``algos.sde`` with τ_k > 0 works) through
 :func:`verl_diffusion.algos.sde.sde_step`, whose log-prob is recorded, and each child is then ODE-completed
 to its own image. A child is one row of the output: its trajectory is the trunk up to x_{t_k}, the stochastic
 x_{t_{k+1}}, then the ODE; only step k is stochastic and trained (``train_mask`` 1 at k only), so each row
 has exactly the keys and layout of :meth:`DiffusersRollout.generate` (docs/data_flow.md) plus
 ``group_ids`` (one per (prompt, k)), ``prompt_ids`` and ``branch_step``.
-The process advantages of SPEC §3.3 are then :func:`verl_diffusion.algos.advantages.branched_step_advantages`
+The process advantages of docs/algorithms.md §3.3 are then :func:`verl_diffusion.algos.advantages.branched_step_advantages`
 of the children's rewards (normalised within (prompt, k) across the K_b children, placed at column k).
 
 Row order: prompt-major, then branch step (in increasing k), then child:
@@ -80,7 +80,7 @@ def _ode_segment(rollout: DiffusersRollout, cond: Conditioning, x: torch.Tensor,
 def generate_branched(rollout: DiffusersRollout, prompts: Sequence[str], *, seed: int,
                       branch_steps: Optional[Sequence[int]] = None, num_children: int,
                       store_velocities: Optional[bool] = None) -> dict[str, torch.Tensor]:
-    """A branched TempFlow-GRPO rollout batch (SPEC §3.3; module docstring for layout, RNG and cost).
+    """A branched TempFlow-GRPO rollout batch (docs/algorithms.md §3.3; module docstring for layout, RNG and cost).
 
     Args: rollout: a :class:`DiffusersRollout`; its ``cfg`` gives N, shift, sampler (not ``ode``), noise
         level, log-prob convention, CFG scale, image size and micro-batch size.
@@ -98,7 +98,7 @@ def generate_branched(rollout: DiffusersRollout, prompts: Sequence[str], *, seed
     cfg = rollout.cfg
     if cfg.sampler == "ode" or float(cfg.noise_level) == 0.0:
         raise ValueError(f"generate_branched needs a stochastic sampler with noise_level > 0 for the children "
-                         f"(got sampler={cfg.sampler!r}, noise_level={cfg.noise_level!r}); SPEC §3.3 uses flow_sde")
+                         f"(got sampler={cfg.sampler!r}, noise_level={cfg.noise_level!r}); docs/algorithms.md §3.3 uses flow_sde")
     if isinstance(num_children, bool) or not isinstance(num_children, int) or num_children < 1:
         raise ValueError(f"num_children={num_children!r} is invalid; pass an int K_b >= 1 (>= 2 for non-zero "
                          f"process advantages)")

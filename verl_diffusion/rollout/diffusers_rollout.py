@@ -3,7 +3,7 @@
 Every step, stochastic or not, goes through :mod:`verl_diffusion.algos.sde` (``sampler_coefficients``,
 ``step_mean``, ``sde_step``), the functions the engine calls again in training; the rollout stores exactly
 the tensors it used (states, coefficients, velocities), so an on-policy recomputation of the log-prob is
-bitwise the rollout's (SPEC §1.2, docs/data_flow.md).
+bitwise the rollout's (docs/algorithms.md §1.2, docs/data_flow.md).
 
 RNG: one CPU ``torch.Generator`` seeded by ``seed`` draws, in this order, the window start (``random``
 mode), the initial noise (one per sample, or one per group), then z_k [B, *] for each stochastic step k in
@@ -28,7 +28,7 @@ from verl_diffusion.models.base import Conditioning
 __all__ = ["RolloutConfig", "DiffusersRollout", "RolloutPlan", "plan_rollout", "trajectory_coefficients",
            "ROLLOUT_KEYS", "GRIDS"]
 
-# rollout.grid choices (SPEC §1.1).
+# rollout.grid choices (docs/algorithms.md §1.1).
 GRIDS = ("scheduler", "formula")
 
 # Keys of generate()'s output (docs/data_flow.md); ``old_velocities`` only with store_velocities, the
@@ -39,25 +39,25 @@ ROLLOUT_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde
 
 @dataclass
 class RolloutConfig:
-    """Sampling knobs of the diffusers rollout (SPEC §1)."""
+    """Sampling knobs of the diffusers rollout (docs/algorithms.md §1)."""
 
     # Sampling steps N of a training rollout.
     num_steps: int = 10
-    # Sampling grid (SPEC §1.1): "scheduler" = the model's own scheduler sigmas at this N and image size
+    # Sampling grid (docs/algorithms.md §1.1): "scheduler" = the model's own scheduler sigmas at this N and image size
     # (adapter.sampling_grid: static or dynamic shift, what the stock pipeline samples with); "formula" =
     # t_k = S·u_k / (1 + (S−1)·u_k) with ``shift`` (the model-free default of tests and tiny models).
     grid: str = "formula"
-    # Grid shift S of the formula grid (SPEC §1.1; SD3/SD3.5: 3). Unused with grid "scheduler".
+    # Grid shift S of the formula grid (docs/algorithms.md §1.1; SD3/SD3.5: 3). Unused with grid "scheduler".
     shift: float = 3.0
     # Stochastic sampler inside the window: flow_sde | cps | dance | ode.
     sampler: str = "flow_sde"
     # a (flow_sde, cps) or η_D (dance).
     noise_level: float = 0.7
-    # Which steps are stochastic and trained (SPEC §1.8).
+    # Which steps are stochastic and trained (docs/algorithms.md §1.8).
     window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
-    # Log-prob convention stored in rollout_log_probs: exact | unnormalized (SPEC §1.2, §1.4).
+    # Log-prob convention stored in rollout_log_probs: exact | unnormalized (docs/algorithms.md §1.2, §1.4).
     log_prob_convention: str = "exact"
-    # One initial noise per group instead of per sample (SPEC §1.8).
+    # One initial noise per group instead of per sample (docs/algorithms.md §1.8).
     same_noise_per_group: bool = False
     # CFG scale; 1 disables CFG (the trained velocity is then the conditional one).
     guidance_scale: float = 1.0
@@ -70,7 +70,7 @@ class RolloutConfig:
     micro_batch_size: int = 8
     # Store v_old at the trained steps (old_velocities) for losses that read it.
     store_velocities: bool = False
-    # Steps of the ODE validation sampler (SPEC §1.6: 40 for SD3.5).
+    # Steps of the ODE validation sampler (docs/algorithms.md §1.6: 40 for SD3.5).
     val_num_steps: int = 40
 
     def __post_init__(self):
@@ -146,7 +146,7 @@ def trajectory_coefficients(cfg: "RolloutConfig", sigmas: torch.Tensor,
                             stochastic: Sequence[int]) -> list[StepCoefficients]:
     """Coefficients of every step k < N: ``cfg.sampler`` at ``stochastic`` steps, the Euler ODE elsewhere.
 
-    sigmas [b, N+1]; returns N StepCoefficients of [b] each, on sigmas' device (SPEC §1.2).
+    sigmas [b, N+1]; returns N StepCoefficients of [b] each, on sigmas' device (docs/algorithms.md §1.2).
     """
     stochastic = set(stochastic)
     return [sampler_coefficients(cfg.sampler, sigmas, k, noise_level=cfg.noise_level) if k in stochastic
@@ -192,7 +192,7 @@ class DiffusersRollout:
         return self.adapter.encode_prompt([self.cfg.negative_prompt]).index_select(torch.zeros(n, dtype=torch.long))
 
     def grid(self, num_steps: int, height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:
-        """t_0 = 1 > … > t_N = 0, float32 [N+1] on CPU: the model's scheduler sigmas or the SPEC formula."""
+        """t_0 = 1 > … > t_N = 0, float32 [N+1] on CPU: the model's scheduler sigmas or the formula grid (docs/algorithms.md §1.1)."""
         if self.cfg.grid == "scheduler":
             sigmas = self.adapter.sampling_grid(num_steps, height or self.cfg.height, width or self.cfg.width)
             return torch.as_tensor(sigmas, dtype=torch.float32).cpu()
@@ -326,7 +326,7 @@ class DiffusersRollout:
     @torch.no_grad()
     def generate_ode(self, prompts: list[str], *, seeds: list[int], num_steps: Optional[int] = None,
                      height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:
-        """Validation images by the Euler ODE (SPEC §1.6) on fixed prompts and seeds.
+        """Validation images by the Euler ODE (docs/algorithms.md §1.6) on fixed prompts and seeds.
 
         Sample i starts from randn with ``torch.Generator().manual_seed(seeds[i])``, so an image depends on
         its own (prompt, seed) only, not on the batch. Returns uint8 [B, 3, H, W] on CPU.

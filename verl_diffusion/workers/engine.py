@@ -104,7 +104,7 @@ def load_transformer(path: str, subfolder: str, dtype: torch.dtype):
 @contextlib.contextmanager
 def _cpu_offload_without_pinning():
     """verl's FSDP2 forward-only path builds ``CPUOffloadPolicy(pin_memory=True)``, which needs an
-    accelerator; on the CPU platform build it with ``pin_memory=False`` (VERL_ON_CPU.md)."""
+    accelerator; on the CPU platform build it with ``pin_memory=False`` (verl assumes an accelerator here)."""
     if get_device_name() != "cpu":
         yield
         return
@@ -221,7 +221,7 @@ class DiffusersFSDPEngine(FSDPEngine):
         self.load_extra_state_fn: Optional[Callable[[dict], None]] = None
         # Optional frozen reference network for REF_VELOCITY when not LoRA (a no-grad velocity fn).
         self.ref_velocity_fn: Optional[Callable] = None
-        # Optimizer steps taken so far (n of the old-policy schedules, SPEC §8.2; saved by the worker).
+        # Optimizer steps taken so far (n of the old-policy schedules, docs/algorithms.md §8.2; saved by the worker).
         self.optimizer_steps = 0
         # Set by the worker before an update: the next training call records rollout/logprob_abs_diff (its first
         # mini-batch runs before any optimizer step, i.e. with the weights the rollout sampled with).

@@ -52,7 +52,7 @@ def _prompt_text(prompt: Any) -> str:
 
 
 class AdapterRolloutPipeline(nn.Module):
-    """A vllm-omni pipeline over a ``FlowModelAdapter``: training rollouts with log-probs (SPEC §1).
+    """A vllm-omni pipeline over a ``FlowModelAdapter``: training rollouts with log-probs (docs/algorithms.md §1).
 
     Subclasses set ``diffusers_pipeline`` and ``transformer_class`` (qualified diffusers class names) and
     ``adapter_class`` (qualified name of our adapter, which must offer ``from_pipeline``).
@@ -126,7 +126,7 @@ class AdapterRolloutPipeline(nn.Module):
                              f"image needs {shape}")
         bsz = x_init.shape[0]
         step_noise = {k: torch.stack([p.step_noise[j] for p in parsed]) for j, k in enumerate(spec.stochastic)}
-        # The grid the diffusers rollout uses (rollout.grid: the model's scheduler sigmas or the SPEC formula).
+        # The grid the diffusers rollout uses (rollout.grid: the model's scheduler sigmas or the formula grid (docs/algorithms.md §1.1)).
         sigmas_cpu = rollout.grid(cfg.num_steps).unsqueeze(0).expand(bsz, -1).contiguous()
         # Coefficients on the CPU, as the diffusers rollout and the replica compute them, then moved exactly.
         coefficients = [type(c)(c.c_x.to(device), c.c_v.to(device), c.std.to(device))
