@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The algorithm race on the shapes world (issue 9): every registered policy loss with its recipe's
+"""The algorithm race on the shapes world: every registered policy loss with its recipe's
 algorithm settings, the same model, prompts, rollout budget and seeds; held-out strict accuracy and reward
 at fixed budgets, rollouts to a target accuracy, s/step, peak memory and within-group diversity.
 
@@ -85,7 +85,7 @@ ALGO_KEYS = (
     "algorithm.adv_estimator",
     "algorithm.flow_grpo",
 )
-VAL_STRICT_KEYS = ("val/shapes/strict", "val/strict", "val/shapes/strict_accuracy", "val/strict_accuracy")
+VAL_STRICT_KEYS = ("val/shapes/strict/by_composition", "val/shapes/strict", "val/strict", "val/shapes/strict_accuracy", "val/strict_accuracy")
 VAL_REWARD_KEYS = ("val/shapes/mean", "val/reward_mean")
 CLIP_KEYS = ("actor/clipfrac", "actor/dppo_mask_frac", "actor/awm_clipfrac")
 
@@ -254,6 +254,14 @@ def run_one(args, algo: str, setting: str, seed: int, base: dict | None = None) 
             # policy's drift from the rollout policy (½·mean(log ρ)²) over the epochs of a batch
             clip_frac=[first_key(h, CLIP_KEYS) for h in hist],
             approx_kl=[float(h.get("actor/approx_kl", math.nan)) for h in hist],
+            # the learning signal and the step taken: groups with no strict / no reward variance, the advantage
+            # spread, the gradient norm (before clipping) and the relative size of the update |Δθ| / |θ|
+            strict_zero_std=[float(h.get("reward/shapes/strict/zero_std_ratio", math.nan)) for h in hist],
+            reward_zero_std=[float(h.get("reward/zero_std_ratio", math.nan)) for h in hist],
+            adv_std=[float(h.get("advantages/std", math.nan)) for h in hist],
+            grad_norm=[float(h.get("grad_norm", math.nan)) for h in hist],
+            update_rel_norm=[float(h.get("actor/update_rel_norm", math.nan)) for h in hist],
+            val_by_tag=[{k.rsplit("/", 1)[-1]: float(v[k]) for k in v if "/by_composition/" in k} for v in val_history],
             val_steps=[int(v["step"]) for v in val_history],
             val_strict=[first_key(v, VAL_STRICT_KEYS) for v in val_history],
             val_reward=[first_key(v, VAL_REWARD_KEYS) for v in val_history],

@@ -17,7 +17,7 @@ Variance = mean over queries of the per-element-mean trace of the replicate cova
 
 Run:  python benchmarks/estimator_variance.py            (≈30 s on one core; --dims 16 256)
 
-Model scale (``--model DIR``, issue 9): the same three estimators on a real flow model, the pretrained shapes
+Model scale (``--model DIR``): the same three estimators on a real flow model, the pretrained shapes
 model by default use, with the ``shapes`` reward. ∇V has no closed form there, so (as the paper did with a
 128-trajectory reference) the reference is the mean of the deterministic replicates. Per prompt: M rollouts
 of the model's Flow-SDE from noise give the endpoint pool, its rewards fix the advantage A(x0) = (r − mean)/std

@@ -1,4 +1,4 @@
-"""Why the shapes base plateaus (issue 9): cheap checks on a saved shapes model, no training.
+"""Why the shapes base plateaus: cheap checks on a saved shapes model, no training.
 
     python benchmarks/shapes_base_diagnostics.py [--model verl_diffusion/assets/shapes_sd3] [--prompts 128]
 

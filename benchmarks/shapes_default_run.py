@@ -1,4 +1,4 @@
-"""The default run (shapes world, issue 9) over several seeds: held-out strict accuracy before and after RL.
+"""The default run (shapes world) over several seeds: held-out strict accuracy before and after RL.
 
     python benchmarks/shapes_default_run.py --seeds 0 1 2 [hydra overrides ...]
 

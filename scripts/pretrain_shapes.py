@@ -1,4 +1,4 @@
-"""Pretrain the tiny SD3 model of the shapes world (issue 9): a VAE, then the transformer, on rendered scenes.
+"""Pretrain the tiny SD3 model of the shapes world: a VAE, then the transformer, on rendered scenes.
 
     python scripts/pretrain_shapes.py --out verl_diffusion/assets/shapes_sd3
 
@@ -80,7 +80,24 @@ def parse_args(argv=None):
     p.add_argument("--final-eval-prompts", type=int, default=256, help="per split, for the manifest")
     p.add_argument("--skip-vae", default=None, help="reuse a trained VAE from this pipeline directory")
     p.add_argument("--eval-only", default=None, help="only evaluate this saved model directory (per tag, grid PNG)")
+    # continued pretraining and the data mix
+    p.add_argument("--init-from", default=None,
+                   help="continue from this saved pipeline directory (all components, the VAE's scaling kept)")
+    p.add_argument("--tag-weights", default=None,
+                   help="pretraining tag mix, e.g. single_object=1,colors=1,... (default: the world's)")
+    p.add_argument("--count-weights", default=None, help="counting's counts, e.g. 2=1,3=1,4=1 (default: the world's)")
     return p.parse_args(argv)
+
+
+def parse_weights(text: str | None, key=str) -> dict | None:
+    """"a=1,b=2" -> {a: 1.0, b: 2.0}; None stays None."""
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        k, _, v = item.partition("=")
+        out[key(k.strip())] = float(v)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ world
@@ -88,11 +105,13 @@ def parse_args(argv=None):
 class World:
     """The shapes world API used here: prompts, scenes, renders and the strict score."""
 
-    def __init__(self, module: str, size: int):
+    def __init__(self, module: str, size: int, tag_weights: dict | None = None, count_weights: dict | None = None):
         self.size = size
         mod = importlib.import_module(module)
         get = lambda name: getattr(mod, name, None) or getattr(importlib.import_module(module + ".world"), name)
-        self.pretrain_sample = get("pretrain_sample")
+        base_sample = get("pretrain_sample")
+        mix = {k: v for k, v in (("tag_weights", tag_weights), ("count_weights", count_weights)) if v}
+        self.pretrain_sample = (lambda rng: base_sample(rng, **mix)) if mix else base_sample
         self.sample_prompt = get("sample_prompt")
         self.scene_for = get("scene_for")
         self.render = get("render")
@@ -261,18 +280,24 @@ def main(argv=None):
         return eval_only(args)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    world = World(args.world, args.size)
+    world = World(args.world, args.size, parse_weights(args.tag_weights), parse_weights(args.count_weights, int))
 
     from verl_diffusion.models.sd3 import SD3Adapter
     from verl_diffusion.models.tiny import build_tiny_sd3_pipeline
 
-    vocab = world.vocabulary(np.random.default_rng(args.seed))
-    print(f"vocabulary: {len(vocab)} words", flush=True)
-    pipe = build_tiny_sd3_pipeline(
-        seed=args.seed, sample_size=args.size // 2, num_layers=args.layers, attention_head_dim=args.head_dim,
-        num_attention_heads=args.heads, text_width=args.text_width, text_seq_len=args.text_seq_len,
-        latent_channels=args.latent_channels, vae_channels=args.vae_channels, vae_blocks=2, vocab=vocab,
-        shift=args.shift)
+    if args.init_from:
+        from diffusers import StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline.from_pretrained(args.init_from)
+        print(f"continuing from {args.init_from}", flush=True)
+    else:
+        vocab = world.vocabulary(np.random.default_rng(args.seed))
+        print(f"vocabulary: {len(vocab)} words", flush=True)
+        pipe = build_tiny_sd3_pipeline(
+            seed=args.seed, sample_size=args.size // 2, num_layers=args.layers, attention_head_dim=args.head_dim,
+            num_attention_heads=args.heads, text_width=args.text_width, text_seq_len=args.text_seq_len,
+            latent_channels=args.latent_channels, vae_channels=args.vae_channels, vae_blocks=2, vocab=vocab,
+            shift=args.shift)
     for tok in (pipe.tokenizer, pipe.tokenizer_3):
         longest = max((world.sample_prompt(rng, s)[0] for s in ("train", "heldout") for _ in range(500)),
                       key=lambda p: len(tok(p).input_ids))
@@ -281,7 +306,9 @@ def main(argv=None):
 
     # ---- stage 1: VAE
     vae = pipe.vae
-    if args.skip_vae:
+    if args.init_from:
+        pass
+    elif args.skip_vae:
         from diffusers import AutoencoderKL
 
         vae = pipe.vae = AutoencoderKL.from_pretrained(args.skip_vae, subfolder="vae")
@@ -294,6 +321,8 @@ def main(argv=None):
 
     prompts, lat = build_pool(vae, world, args, rng)
     mean, std = lat.mean().item(), lat.std().item()
+    if args.init_from:  # the transformer was trained on latents normalised by the saved factors: keep them
+        mean, std = vae.config.shift_factor, 1.0 / vae.config.scaling_factor
     vae.register_to_config(shift_factor=mean, scaling_factor=1.0 / std)
     lat = (lat - mean) / std
     print(f"pool: {len(prompts)} scenes, latent mean {mean:.3f} std {std:.3f}  ({time.time() - t_start:.0f}s)",
@@ -367,6 +396,7 @@ def save(pipe, args, argv, results):
     manifest = {
         "command": cmd.strip(),
         **({"vae_source": str(args.skip_vae)} if args.skip_vae else {}),
+        **({"init_from": str(args.init_from)} if args.init_from else {}),
         "torch": torch.__version__,
         "results": results,
         "files": {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files},

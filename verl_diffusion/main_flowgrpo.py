@@ -196,11 +196,11 @@ def validate_config(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.{msg}" if msg.startswith("rollout.")
                           else f"actor_rollout_ref.rollout.branched.{msg}") from None
     if branched is not None:
-        # TempFlow-GRPO (SPEC §3.3): rows per step = prompts × |branch steps| × num_children; rollout.n is unused.
+        # TempFlow-GRPO (docs/algorithms.md §3.3): rows per step = prompts × |branch steps| × num_children; rollout.n is unused.
         if rollout_cfg.sampler not in ("flow_sde", "cps", "dance") or rollout_cfg.noise_level <= 0:
             raise ConfigError(f"actor_rollout_ref.rollout.branched.enabled=true needs a Flow-SDE-type sampler with "
                               f"noise_level > 0 for the children (got rollout.sde.type={rollout_cfg.sampler}, "
-                              f"noise_level={rollout_cfg.noise_level}); SPEC §3.3 uses flow_sde")
+                              f"noise_level={rollout_cfg.noise_level}); docs/algorithms.md §3.3 uses flow_sde")
         if loss_mode != "tempflow_grpo":
             raise ConfigError(f"actor_rollout_ref.rollout.branched.enabled=true is the TempFlow-GRPO rollout: use "
                               f"actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo (got {loss_mode})")
@@ -480,7 +480,7 @@ def _hydra_main():
             return
         # The whole run, every resumed segment included: metrics.jsonl and the validation files, not this process.
         from verl_diffusion.trainer.run_dir import METRICS_NAME, MetricsLog
-        from verl_diffusion.trainer.validation import val_history_from_run_dir
+        from verl_diffusion.trainer.validation import tag_table_from_run_dir, val_history_from_run_dir
 
         rows = MetricsLog(os.path.join(summary["run_dir"], METRICS_NAME)).rows()
         h = [r for r in rows if "reward/mean" in r]
@@ -492,6 +492,8 @@ def _hydra_main():
         gain = validation_gain_line(val_history_from_run_dir(summary["run_dir"], rows))
         if gain:
             print(gain)
+        for line in tag_table_from_run_dir(summary["run_dir"], rows) or []:
+            print(line)
         for key in ("reward_curve", "before_after", "metrics"):
             if key in summary:
                 print(f"{key}: {summary[key]}")

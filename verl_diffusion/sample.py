@@ -98,14 +98,22 @@ def sample(args) -> dict:
     if args.reward:
         from verl_diffusion.rewards import build_reward
 
+        from verl_diffusion.trainer.tag_report import composition_key, tag_gains, tag_of
+
         res = build_reward({args.reward: 1.0})(images, prompts, meta)
+        groups = {"tag": [tag_of(m) for m in meta], "composition": [composition_key(m, p) for m, p in zip(meta, prompts)]}
         scores = write_validation_scores(os.path.join(out, "scores.jsonl"), prompts, seeds, res.scores,
-                                         res.details or {})
+                                         res.details or {}, columns=groups)
         rows_out = read_validation_scores(scores)
         summary["reward_mean"] = float(res.scores.float().mean())
         # the overall strict accuracy of a reward (reward/<name>/strict), named as validation names it
         summary.update({k[len("reward/"):] if k.startswith("reward/") else k: float(v)
                         for k, v in (res.metrics or {}).items() if k.endswith("/strict") and isinstance(v, (int, float))})
+        # per tag, every composition weighted equally (trainer/tag_report.py), when the prompts carry tags
+        for key in [k for k in (res.details or {}) if k.endswith("/strict")]:
+            if any(t != "untagged" for t in groups["tag"]):
+                table = tag_gains(res.details[key].float().tolist(), None, groups["tag"], groups["composition"])
+                summary[key + "/by_tag"] = {r.tag: r.before for r in table}
     else:
         with open(os.path.join(out, "scores.jsonl"), "w") as f:
             for p, sd in zip(prompts, seeds):
@@ -151,6 +159,9 @@ def main(argv: Optional[list] = None) -> None:
         parts.append(f"reward {summary['reward_mean']:.4f}")
     parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.endswith("/strict")]
     print(" | ".join(parts))
+    for key, by_tag in ((k, v) for k, v in summary.items() if k.endswith("/by_tag")):
+        print(f"{key[:-len('/by_tag')]} per tag, every composition weighted equally: "
+              + ", ".join(f"{t} {100 * v:.1f}%" for t, v in by_tag.items()))
     print(f"output: {os.path.abspath(args.output)} (images/, scores.jsonl, summary.json, grid.png)")
 
 

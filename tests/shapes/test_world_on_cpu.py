@@ -40,7 +40,8 @@ def test_split_is_fixed_disjoint_and_covers_every_composition(tag):
     train, held = split_compositions(tag, "train"), split_compositions(tag, "heldout")
     assert set(train).isdisjoint(held) and set(train) | set(held) == set(compositions(tag))
     assert len(held) >= 1 and len(train) >= 1
-    assert len(held) == max(1, round(world.HELDOUT_FRACTION * len(compositions(tag))))
+    assert len(held) == max(world.MIN_HELDOUT, round(world.HELDOUT_FRACTION * len(compositions(tag))))
+    assert len(held) >= 2   # a held-out accuracy is never one prompt
 
 
 def test_train_prompts_never_use_heldout_compositions():
@@ -124,6 +125,22 @@ def test_heldout_prompts_are_fixed_balanced_and_heldout():
     assert a == b and len(a) == 8 * len(TAGS)
     assert all(split_of(m) == "heldout" for _, m in a)
     assert {m["tag"] for _, m in a} == set(TAGS)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_balanced_prompts_weight_every_heldout_composition_equally(tag):
+    """Every held-out composition of a tag appears, each the same number of times, at least min_per_tag prompts."""
+    from collections import Counter
+
+    from verl_diffusion.shapes.world import composition_of
+
+    prompts = world.balanced_prompts(64, seed=0, tags=(tag,))
+    assert prompts == world.balanced_prompts(64, seed=0, tags=(tag,))
+    counts = Counter(composition_of(m)[1] for _, m in prompts)
+    held = split_compositions(tag, "heldout")
+    assert set(counts) == set(held) and len(set(counts.values())) == 1
+    assert len(prompts) >= 64 and len(prompts) == len(held) * -(-64 // len(held))
+    assert all(split_of(m) == "heldout" and m["tag"] == tag for _, m in prompts)
 
 
 def test_shapes_package_needs_numpy_only():

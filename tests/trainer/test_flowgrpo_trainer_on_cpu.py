@@ -71,6 +71,13 @@ def test_reward_metrics_zero_std_ratio():
     same = torch.tensor([1.0, 1.0, 2.0, 3.0])
     m = reward_metrics(same, np.array(["x", "x", "y", "y"]), {"jpeg": same})
     assert m["reward/zero_std_ratio"] == 0.5 and m["reward/jpeg/mean"] == pytest.approx(1.75)
+    # the strict (all-correct) detail: group x all wrong, y all right, z mixed; a per-tag NaN group is left out
+    strict = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 1.0, float("nan"), float("nan")])
+    m = reward_metrics(torch.arange(8.0), np.array(list("xxyyzzww")), {},
+                       details={"shapes/strict": strict, "shapes/strict/colors": strict})
+    assert m["reward/shapes/strict/zero_std_ratio"] == pytest.approx(2 / 3)
+    assert m["reward/shapes/strict/all_wrong_ratio"] == pytest.approx(1 / 3)
+    assert "reward/shapes/strict/colors/zero_std_ratio" not in m and m["reward/zero_std_ratio"] == 0.0
 
 
 def test_worker_metric_reduction_keeps_first_micro_step():

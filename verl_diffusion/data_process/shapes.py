@@ -5,11 +5,11 @@
     python -m verl_diffusion.data_process.shapes --output /tmp/shapes --train-size 512 --test-per-tag 8 --seed 1
 
 Generated, not read: train.parquet holds ``--train-size`` prompts drawn from the train split of the
-compositions (tags uniformly; verl_diffusion.shapes.world.sample_prompt), test.parquet holds
-``--test-per-tag`` held-out prompts per tag (world.heldout_prompts: every held-out composition of a tag
-before any repeats). Both are deterministic from ``--seed``. ``--train-eval`` also writes
-train_eval.parquet, the same number of per-tag prompts from the train split, to compare accuracy on
-seen and unseen compositions.
+compositions (tags uniformly; verl_diffusion.shapes.world.sample_prompt), test.parquet holds every held-out
+composition of every tag, each the same number of times, at least ``--test-per-tag`` prompts per tag
+(world.balanced_prompts; a tag with more compositions than that, position, gets one prompt per composition).
+Both are deterministic from ``--seed``. ``--train-eval`` also writes train_eval.parquet, the same for the
+train split's compositions, to compare accuracy on seen and unseen compositions.
 
 Rows are the common format of data_process/_common.py: reward_model.ground_truth holds the GenEval-style
 metadata as JSON text (what the ``shapes`` reward reads), extra_info.tag its tag.
@@ -34,12 +34,13 @@ def rows_for(prompts: list[tuple[str, dict]], *, split: str, data_source: str, n
 def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
-    from verl_diffusion.shapes.world import TAGS, heldout_prompts, sample_prompt
+    from verl_diffusion.shapes.world import TAGS, balanced_prompts, sample_prompt
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="~/data/shapes", help="output directory (~ is expanded) (default: %(default)s)")
     parser.add_argument("--train-size", type=int, default=4096, help="train prompts (default: %(default)s)")
-    parser.add_argument("--test-per-tag", type=int, default=16, help="held-out prompts per tag (default: %(default)s)")
+    parser.add_argument("--test-per-tag", type=int, default=16, help="at least this many held-out prompts per tag, every held-out composition equally often "
+                        "(default: %(default)s)")
     parser.add_argument("--train-eval", action="store_true", help="also write train_eval.parquet (train split, per tag)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt draws (default: %(default)s)")
     parser.add_argument("--data-source", default="shapes", help="data_source column (default: %(default)s)")
@@ -64,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     splits = {
         "train": [sample_prompt(rng, "train", tags) for _ in range(args.train_size)],
-        "test": heldout_prompts(args.test_per_tag, seed=args.seed, split="heldout", tags=tags),
+        "test": balanced_prompts(args.test_per_tag, seed=args.seed, split="heldout", tags=tags),
     }
     if args.train_eval:
-        splits["train_eval"] = heldout_prompts(args.test_per_tag, seed=args.seed, split="train", tags=tags)
+        splits["train_eval"] = balanced_prompts(args.test_per_tag, seed=args.seed, split="train", tags=tags)
     for split, prompts in splits.items():
         path = os.path.join(out_dir, f"{split}.parquet")
         write_parquet(rows_for(prompts, split=split, data_source=args.data_source,

@@ -12,6 +12,7 @@ from verl_diffusion.shapes.world import (
     TAGS,
     ObjectSpec,
     Scene,
+    balanced_prompts,
     compositions,
     heldout_prompts,
     make_metadata,
@@ -25,7 +26,7 @@ from verl_diffusion.shapes.world import (
 
 __all__ = [
     "BACKGROUND", "COLOURS", "DEFAULT_IMAGE_SIZE", "RELATIONS", "SHAPES", "TAGS", "Detection", "ObjectSpec",
-    "Scene", "ScoreResult", "compositions", "detect", "evaluate", "heldout_prompts", "make_metadata",
+    "Scene", "ScoreResult", "balanced_prompts", "compositions", "detect", "evaluate", "heldout_prompts", "make_metadata",
     "pretrain_sample", "render", "sample_prompt", "satisfies", "scene_for", "score", "split_compositions",
     "split_of",
 ]

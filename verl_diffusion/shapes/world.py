@@ -31,7 +31,7 @@ Compositions and the split. A composition is what a prompt asks for, independent
 single_object: the shape; colors: (colour, shape); counting: (count, colour, shape); two_object: the
 unordered shape pair; color_attr: the unordered pair of (colour, shape); position: the relation read
 left-to-right / top-to-bottom with its two (colour, shape) objects. ``compositions(tag)`` lists them;
-``HELDOUT_FRACTION`` of each tag's list (at least one) is held out, chosen by ``SPLIT_SEED``, and never
+``HELDOUT_FRACTION`` of each tag's list (at least ``MIN_HELDOUT``) is held out, chosen by ``SPLIT_SEED``, and never
 appears as an RL train prompt (``sample_prompt(rng, "train")``); ``sample_prompt(rng, "heldout")`` draws
 only held-out ones.
 
@@ -88,6 +88,9 @@ RELATION_DOMINANCE = 2.0
 
 SPLIT_SEED = 0
 HELDOUT_FRACTION = 0.25
+# A tag holds out at least this many compositions, so that a held-out accuracy generalises over more than one
+# prompt (single_object has four compositions: two are RL-trained, two held out).
+MIN_HELDOUT = 2
 PRETRAIN_TAG_WEIGHTS: dict[str, float] = {
     "single_object": 0.15, "colors": 0.30, "counting": 0.20, "two_object": 0.20, "color_attr": 0.08, "position": 0.07,
 }
@@ -233,11 +236,11 @@ def compositions(tag: str) -> tuple[tuple, ...]:
 @lru_cache(maxsize=None)
 def split_compositions(tag: str, split: str) -> tuple[tuple, ...]:
     """The compositions of ``tag`` in ``split`` ("train" or "heldout"): a fixed seeded choice of
-    ``HELDOUT_FRACTION`` of them (at least one) is held out."""
+    ``HELDOUT_FRACTION`` of them (at least ``MIN_HELDOUT``) is held out."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split={split!r} is unknown; choose 'train' or 'heldout'")
     allc = compositions(tag)
-    n_held = max(1, round(HELDOUT_FRACTION * len(allc)))
+    n_held = min(len(allc) - 1, max(MIN_HELDOUT, round(HELDOUT_FRACTION * len(allc))))
     held = set(random.Random(f"{SPLIT_SEED}/{tag}").sample(range(len(allc)), n_held))
     return tuple(c for i, c in enumerate(allc) if (i in held) == (split == "heldout"))
 
@@ -315,6 +318,24 @@ def heldout_prompts(n_per_tag: int, seed: int = 0, split: str = "heldout",
         for i in range(n_per_tag):
             meta = make_metadata(tag, comps[i % len(comps)], swap=bool(r.getrandbits(1)))
             out.append((meta["prompt"], meta))
+    return out
+
+
+def balanced_prompts(min_per_tag: int, seed: int = 0, split: str = "heldout",
+                     tags: Sequence[str] = TAGS) -> list[tuple[str, dict]]:
+    """A validation set in which every composition of ``split`` counts: for each tag of ``tags``, each of its
+    compositions ``ceil(min_per_tag / n)`` times (n compositions, so a tag has at least ``min_per_tag`` prompts and
+    every composition the same number), the wording drawn per prompt from ``seed``. Tags with many compositions
+    (position) get one prompt per composition and so more than ``min_per_tag``."""
+    out = []
+    for tag in tags:
+        r = random.Random(f"{seed}/{tag}/balanced")
+        comps = split_compositions(tag, split)
+        reps = max(1, math.ceil(min_per_tag / len(comps)))
+        for k in range(reps):
+            for comp in comps:
+                meta = make_metadata(tag, comp, swap=bool(r.getrandbits(1)))
+                out.append((meta["prompt"], meta))
     return out
 
 

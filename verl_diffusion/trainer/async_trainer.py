@@ -8,10 +8,10 @@ It is :class:`~verl_diffusion.trainer.flowgrpo_trainer.RayFlowGRPOTrainer` (the 
   end of step k (verl's ``CheckpointEngineManager``, a real backend) reaches the replica after that request, so batch
   k+1 is sampled with the weights of step k − 1 and trained by the actor at step k + 1: ratio ≠ 1.
 * the replicas do not sleep after sampling (they are sampling the next batch).
-* old log-probs are always the rollout's (SPEC §0.4: θ_old is the policy that produced the rollout; §3.1: ℓ_old
+* old log-probs are always the rollout's (docs/algorithms.md §0.4: θ_old is the policy that produced the rollout; §3.1: ℓ_old
   recorded at rollout). Recomputing them with the actor's current weights, as the sync trainer does off-policy,
   would measure the ratio against θ_{k} instead of the sampler's θ_{k-1} and hide the staleness the loss must clip.
-  (Losses that read a fresh θ_old velocity, SPEC §5–7, compute it with the pre-update actor, as in sync mode.)
+  (Losses that read a fresh θ_old velocity, docs/algorithms.md §5–7, compute it with the pre-update actor, as in sync mode.)
 
 The dataloader is read one batch ahead (:class:`LookaheadLoader`); its checkpointed state is the one after batch
 k, so a resumed run re-reads batch k+1 (and samples it with the resumed weights: async runs resume exactly where
@@ -151,7 +151,7 @@ class RayFlowGRPOAsyncTrainer(RayFlowGRPOTrainer):
     # ------------------------------------------------------------------ old log-probs
 
     def _compute_old_log_prob(self, batch: DataProto) -> dict[str, float]:
-        """θ_old = the sampler's weights (SPEC §0.4, §3.1): the rollout's log-probs, whatever the epochs or
+        """θ_old = the sampler's weights (docs/algorithms.md §0.4, §3.1): the rollout's log-probs, whatever the epochs or
         mini-batches (module docstring)."""
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         return {}

@@ -59,6 +59,7 @@ from verl_diffusion.trainer.run_dir import (
     BASELINE_NAME, METRICS_NAME, WORKER_LOG_DIR, MetricsLog, RunDirError, as_storage_error, write_run_state)
 from verl_diffusion.trainer import signals
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
+from verl_diffusion.trainer.tag_report import BY_COMPOSITION, composition_key, composition_metrics, tag_of
 from verl_diffusion.trainer.validation import (
     caption, log_images, read_validation_scores, save_grid, write_validation_scores)
 
@@ -79,7 +80,7 @@ def warn(line: str) -> None:
 def branched_advantages(rewards: torch.Tensor, prompt_ids: torch.Tensor, branch_step: torch.Tensor,
                         train_mask: torch.Tensor, *, eps: float = 1e-4, clip: Optional[float] = 5.0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """TempFlow process advantages of a branched batch (SPEC §3.3), driver side.
+    """TempFlow process advantages of a branched batch (docs/algorithms.md §3.3), driver side.
 
     Args: rewards [B] (one per child image); prompt_ids [B] global prompt index; branch_step [B]; train_mask [B, N].
     Returns (step_advantages [B, N]: the child's advantage, normalised within (prompt, k) across the children, at
@@ -486,7 +487,8 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         batch.batch["sample_level_rewards"] = res.scores.float()
         for name, c in res.components.items():
             batch.batch[f"reward_components/{name}"] = c.float()
-        out = reward_metrics(res.scores, batch.non_tensor_batch["uid"], res.components, res.failures)
+        out = reward_metrics(res.scores, batch.non_tensor_batch["uid"], res.components, res.failures,
+                             details=res.details)
         # mode collapse / reward hacking shows as groups of near-identical images (benchmarks/compare_algorithms.py)
         out["rollout/group_image_std"] = group_image_std(images, batch.non_tensor_batch["uid"])
         out.update({f"reward/{k}" if not k.startswith("reward/") else k: float(v)
@@ -529,7 +531,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         return rows
 
     def _compute_branched_advantage(self, batch: DataProto) -> dict[str, float]:
-        """SPEC §3.3: ``step_advantages`` within (prompt, k) across children; ``advantages`` = the same values."""
+        """docs/algorithms.md §3.3: ``step_advantages`` within (prompt, k) across children; ``advantages`` = the same values."""
         sub = self.config.algorithm.get("flow_grpo", None) or {}
         clip = sub.get("adv_clip_max", 5.0)
         step_adv, adv = branched_advantages(
@@ -542,7 +544,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         return advantage_summary(adv, batch.batch["response_mask"])
 
     def _subsample_train_steps(self, batch: DataProto, step: int) -> dict[str, float]:
-        """DanceGRPO's per-sample random subset of the window steps (``actor.train_step_fraction``, SPEC §3.1),
+        """DanceGRPO's per-sample random subset of the window steps (``actor.train_step_fraction``, docs/algorithms.md §3.1),
         drawn from ``trainer.seed`` and the step only, so a resumed run draws the same subsets."""
         from verl_diffusion.trainer.train_masks import subsample_train_steps
 
@@ -556,7 +558,7 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         return {"actor/window_fraction": float(mask.float().mean())}
 
     def _filter_zero_advantage(self, batch: DataProto) -> dict[str, float]:
-        """SPEC §2.3: samples with A_i = 0 leave the policy-loss items (``algorithm.flow_grpo.filter_zero_advantage``);
+        """docs/algorithms.md §2.3: samples with A_i = 0 leave the policy-loss items (``algorithm.flow_grpo.filter_zero_advantage``);
         they stay in the batch, so the worker's prepare hook (KDE pool) still sees whole groups."""
         from verl_diffusion.trainer.train_masks import filter_zero_advantage
 
@@ -635,8 +637,10 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
         per_image = {"val/reward_mean": res.scores.float().tolist()}
         per_image.update({"val/" + k: v.float().tolist() for k, v in (res.details or {}).items()
                           if "val/" + k in metrics})   # the overall details (e.g. shapes/strict), not per-tag NaNs
+        groups = {"tag": [tag_of(m) for m in meta], "composition": [composition_key(m, p) for m, p in zip(meta, prompts)]}
+        metrics.update(composition_metrics(per_image, images, groups))
         scores = write_validation_scores(os.path.join(self.run_dir, "validation", f"step_{step:05d}.jsonl"), prompts,
-                                         seeds, res.scores, res.details or {})
+                                         seeds, res.scores, res.details or {}, columns=groups)
         if getattr(self, "tracker", None) is not None:
             rows = read_validation_scores(scores)
             log_images(self.tracker, "val/images", images, step,
@@ -805,10 +809,15 @@ class RayFlowGRPOTrainer(PPOTrainerSync):
 
 
 def validation_line(step: int, m: dict) -> str:
-    """One line per validation: mean reward and every strict accuracy a reward reports (val/<reward>/strict)."""
+    """One line per validation: mean reward, every strict accuracy a reward reports (val/<reward>/strict), its
+    composition-weighted mean over tags (trainer/tag_report.py) and the within-prompt diversity."""
     parts = [f"validation step {step}", f"reward {m['val/reward_mean']:.4f}"]
     for key in sorted(k for k in m if k.startswith("val/") and k.endswith("/strict")):  # per-tag keys end with the tag
         parts.append(f"{key[len('val/'):]} {m[key]:.3f}")
+        if key + BY_COMPOSITION in m:
+            parts.append(f"by composition {m[key + BY_COMPOSITION]:.3f}")
+    if "val/diversity" in m:
+        parts.append(f"diversity {m['val/diversity']:.3f}")
     return " | ".join(parts) + f" ({int(m['val/num_images'])} images, ODE)"
 
 

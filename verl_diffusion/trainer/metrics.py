@@ -47,15 +47,27 @@ def reduce_worker_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def reward_metrics(rewards: torch.Tensor, group_ids: np.ndarray, components: Mapping[str, torch.Tensor],
-                   failures: Mapping[str, int] | None = None) -> dict[str, float]:
-    """reward/mean, std, min, max, zero_std_ratio (groups whose samples all scored the same), components."""
+                   failures: Mapping[str, int] | None = None,
+                   details: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """reward/mean, std, min, max, zero_std_ratio (groups whose samples all scored the same: they carry no
+    advantage), components; for each per-image ``<reward>/strict`` detail, ``reward/<reward>/strict/zero_std_ratio``
+    (groups all right or all wrong: the all-correct metric gives them nothing to learn from) and
+    ``reward/<reward>/strict/all_wrong_ratio``."""
     r = rewards.float()
     ids = np.asarray(group_ids)
-    groups = [r[torch.as_tensor(ids == g)] for g in np.unique(ids)]
-    zero = [float(g.std(unbiased=False)) < 1e-8 for g in groups if g.numel() > 0]
+    masks = [torch.as_tensor(ids == g) for g in np.unique(ids)]
+    zero = [float(r[m].std(unbiased=False)) < 1e-8 for m in masks if int(m.sum()) > 0]
     out = {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
            "reward/min": float(r.min()), "reward/max": float(r.max()),
            "reward/zero_std_ratio": float(np.mean(zero)) if zero else 0.0}
+    for key, v in (details or {}).items():
+        if not key.endswith("/strict") or v.numel() != r.numel():
+            continue
+        v = v.float()
+        groups = [v[m] for m in masks if int(m.sum()) > 0 and not torch.isnan(v[m]).any()]
+        if groups:
+            out[f"reward/{key}/zero_std_ratio"] = float(np.mean([float(g.std(unbiased=False)) < 1e-8 for g in groups]))
+            out[f"reward/{key}/all_wrong_ratio"] = float(np.mean([float(g.max()) == 0.0 for g in groups]))
     for name, c in components.items():
         out[f"reward/{name}/mean"] = float(c.float().mean())
     for name, n in (failures or {}).items():

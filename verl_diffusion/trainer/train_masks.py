@@ -1,8 +1,8 @@
 """Driver-side edits of the rollout's ``train_mask`` [B, N] (which (sample, step) items the loss sees).
 
-* :func:`subsample_train_steps`: DanceGRPO's per-sample random subset of the trained steps (SPEC §3.1 preset:
+* :func:`subsample_train_steps`: DanceGRPO's per-sample random subset of the trained steps (docs/algorithms.md §3.1 preset:
   a random 60% of the steps per sample), ``actor_rollout_ref.actor.train_step_fraction``;
-* :func:`filter_zero_advantage`: SPEC §2.3, samples with A_i = 0 leave the policy-loss items
+* :func:`filter_zero_advantage`: docs/algorithms.md §2.3, samples with A_i = 0 leave the policy-loss items
   (``algorithm.flow_grpo.filter_zero_advantage``). They stay in the batch, so the worker's per-step
   ``prepare`` (path-space ĝ / KDE pool) still sees every member of every group.
 
@@ -45,7 +45,7 @@ def subsample_train_steps(train_mask: torch.Tensor, fraction: float,
 
 
 def filter_zero_advantage(train_mask: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Drop samples whose advantage is exactly 0 from the trained items (SPEC §2.3).
+    """Drop samples whose advantage is exactly 0 from the trained items (docs/algorithms.md §2.3).
 
     ``advantages`` [B, N] is A_i broadcast onto ``train_mask``. Returns the new mask and
     ``{"actor/filtered_frac": dropped samples / samples with a trained step, "actor/filter_skipped": 0|1}``.

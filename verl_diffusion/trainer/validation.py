@@ -172,9 +172,10 @@ def read_validation_scores(path: str) -> list[dict]:
 
 
 def write_validation_scores(path: str, prompts: Sequence[str], seeds: Sequence[int], scores: torch.Tensor,
-                            details: dict) -> str:
-    """One JSON line per validation image, in the grid's order: prompt, noise seed, reward and every per-image detail
-    the reward reports (e.g. ``shapes/strict``; NaN, "not applicable", becomes null). Written whole or not at all."""
+                            details: dict, columns: Optional[dict] = None) -> str:
+    """One JSON line per validation image, in the grid's order: prompt, noise seed, reward, every per-image detail
+    the reward reports (e.g. ``shapes/strict``; NaN, "not applicable", becomes null) and the text ``columns`` (e.g.
+    the image's tag and composition). Written whole or not at all."""
     import json
 
     cols = {k: v.float().tolist() for k, v in details.items()}
@@ -183,6 +184,7 @@ def write_validation_scores(path: str, prompts: Sequence[str], seeds: Sequence[i
         for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
             row = {"prompt": prompt, "seed": int(seed), "reward": float(scores[i])}
             row.update({k: (None if math.isnan(v[i]) else v[i]) for k, v in cols.items()})
+            row.update({k: v[i] for k, v in (columns or {}).items()})
             f.write(json.dumps(row) + "\n")
     os.replace(path + ".tmp", path)
     return path
@@ -206,6 +208,40 @@ def val_history_from_run_dir(run_dir: str, rows: Sequence[dict]) -> list[dict]:
                     per_image[f"val/{key}"] = [float("nan") if r.get(key) is None else float(r[key]) for r in images]
         out.append({**{k: v for k, v in row.items() if k == "step" or k.startswith("val/")}, "per_image": per_image})
     return out
+
+
+def tag_table_from_run_dir(run_dir: str, rows: Sequence[dict]) -> Optional[list[str]]:
+    """The end-of-run table of the first and the last validation (same images): for each per-image strict accuracy,
+    per tag and for the mean over tags, the composition-weighted accuracy before and after and the gain with its
+    paired standard error (trainer/tag_report.py); also written to ``<run_dir>/heldout_by_tag.json``. None with
+    fewer than two validations or no tagged per-image accuracy."""
+    import json
+
+    from verl_diffusion.trainer.tag_report import tag_gains, table_lines
+
+    steps = [int(r["step"]) for r in rows if "val/reward_mean" in r]
+    if len(steps) < 2:
+        return None
+    val = os.path.join(run_dir, "validation")
+    first = read_validation_scores(os.path.join(val, f"step_{steps[0]:05d}.jsonl"))
+    last = read_validation_scores(os.path.join(val, f"step_{steps[-1]:05d}.jsonl"))
+    if not first or len(first) != len(last) or "composition" not in first[0]:
+        return None
+    lines, report = [], {"first_step": steps[0], "last_step": steps[-1]}
+    for key in sorted(k for k in first[0] if k.endswith("/strict")):
+        nan = float("nan")
+        table = tag_gains([nan if r[key] is None else r[key] for r in first],
+                          [nan if r[key] is None else r[key] for r in last],
+                          [r["tag"] for r in first], [r["composition"] for r in first])
+        lines.append(f"{key} by tag, every composition weighted equally (step {steps[0]} -> {steps[-1]}, "
+                     "gain in points ± paired standard error):")
+        lines += ["  " + line for line in table_lines(table, before=f"step {steps[0]}", after=f"step {steps[-1]}")]
+        report[key] = [vars(r) for r in table]
+    if lines:
+        with open(os.path.join(run_dir, "heldout_by_tag.json.tmp"), "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(os.path.join(run_dir, "heldout_by_tag.json.tmp"), os.path.join(run_dir, "heldout_by_tag.json"))
+    return lines or None
 
 
 def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> Optional[float]:

@@ -1,4 +1,4 @@
-"""Soft old-policy copy θ_old of SPEC §8.2 (DiffusionNFT's sampling adapter, AWM's KL-EMA adapter).
+"""Soft old-policy copy θ_old of docs/algorithms.md §8.2 (DiffusionNFT's sampling adapter, AWM's KL-EMA adapter).
 
 The worker keeps θ_old as a copy of the *trainable* parameters (the LoRA parameters when LoRA is on; every
 parameter on a full fine-tune, i.e. one more copy of the model in the parameters' dtype on each rank's shard).
@@ -35,7 +35,7 @@ class OldPolicyConfig:
 
     # none | nft | awm_linear | awm_constant | constant.
     schedule: str = "none"
-    # DiffusionNFT schedule type (SPEC §8.2): 0 | 1 (default) | 2 (OCR).
+    # DiffusionNFT schedule type (docs/algorithms.md §8.2): 0 | 1 (default) | 2 (OCR).
     nft_type: int = 1
     # d_max of the AWM schedules (README 0.3).
     decay_max: float = 0.3
@@ -81,7 +81,7 @@ class OldPolicyConfig:
         return cls(**kw)
 
     def decay_at(self, n: int) -> float:
-        """d after n optimizer steps (SPEC §8.2)."""
+        """d after n optimizer steps (docs/algorithms.md §8.2)."""
         if self.schedule == "nft":
             return nft_old_policy_decay(self.nft_type, n)
         if self.schedule == "awm_linear":
@@ -100,7 +100,7 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 class OldPolicy:
-    """θ_old of a list of trainable parameters (local shards), soft-updated by a schedule (SPEC §8.2)."""
+    """θ_old of a list of trainable parameters (local shards), soft-updated by a schedule (docs/algorithms.md §8.2)."""
 
     def __init__(self, params: Iterable[torch.Tensor], cfg: OldPolicyConfig):
         if not cfg.enabled:

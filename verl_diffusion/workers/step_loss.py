@@ -109,7 +109,7 @@ def step_tensors(rows: Mapping[str, torch.Tensor], k: int) -> dict[str, Optional
         "advantages": _col(rows, "advantages", k),
         "old_velocity": _col(rows, "old_velocities", k),
         "group_ids": rows.get("group_ids", None),
-        # Process advantages of a branched rollout (TempFlow, SPEC §3.3) [B, N], when the batch has them.
+        # Process advantages of a branched rollout (TempFlow, docs/algorithms.md §3.3) [B, N], when the batch has them.
         "step_advantages": _col(rows, "step_advantages", k),
     }
     if out["old_log_prob"] is None:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.utils.device import get_device_name
+from verl.utils.device import get_device_id, get_device_name
 
 from verl_diffusion.distributed import init_cpu_process_group
 from verl_diffusion.models.base import pad_text_rows as _pad_text
@@ -108,7 +108,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         self.adapter = None
         self.rollout = None
         self.ema = None
-        # Soft old-policy copy θ_old (SPEC §8.2; actor.old_policy), None with schedule none.
+        # Soft old-policy copy θ_old (docs/algorithms.md §8.2; actor.old_policy), None with schedule none.
         self.old_policy = None
         self.step_loss: Optional[DiffusionStepLoss] = None
         self._cache: Optional[dict] = None
@@ -216,7 +216,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
             self.ema = ParamEMA([p for p in engine.module.parameters() if p.requires_grad],
                                 decay_max=float(ema_cfg.get("decay_max", 0.9)),
                                 interval=int(ema_cfg.get("interval", 8)))
-        # 5. soft old-policy copy θ_old of the trainable parameters (SPEC §8.2), saved with checkpoints.
+        # 5. soft old-policy copy θ_old of the trainable parameters (docs/algorithms.md §8.2), saved with checkpoints.
         from verl_diffusion.workers.old_policy import OldPolicy, OldPolicyConfig
 
         old_cfg = OldPolicyConfig.from_dict(_plain(self.config.actor.get("old_policy", None)))
@@ -295,7 +295,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
                 out = self.rollout.generate(texts, torch.as_tensor(group_ids, dtype=torch.long), seed=seed,
                                             iteration=int(meta.get("iteration", 0)), store_velocities=store)
             else:
-                # TempFlow (SPEC §3.3): one prompt per row in, one row per (prompt, k, child) out, prompt-major;
+                # TempFlow (docs/algorithms.md §3.3): one prompt per row in, one row per (prompt, k, child) out, prompt-major;
                 # group_ids / prompt_ids are local here, the driver makes them global.
                 from verl_diffusion.rollout.branched import generate_branched
 
@@ -390,6 +390,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
                              seed=int(meta.get("seed", 0)),
                              dataloader_kwargs={"shuffle": bool(meta.get("shuffle", False))})
         engine.consistency_probe = True
+        before = self._trainable_snapshot() if bool(self.config.actor.get("log_update_size", False)) else None
         out = self.actor.train_mini_batch(td)
         self._cache = None
         metrics = dict(tu.get(out, "metrics")) if out is not None else {}
@@ -397,12 +398,32 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
             self.ema.step(self._update_count)
         self._update_count += 1
         if self.old_policy is not None:
-            # SPEC §8.2: after this batch's training, n = optimizer steps so far.
+            # docs/algorithms.md §8.2: after this batch's training, n = optimizer steps so far.
             _reshard(engine)
             metrics["actor/old_policy_decay"] = self.old_policy.update(int(engine.optimizer_steps))
+        if before is not None:
+            metrics.update(self._update_size(before))
         metrics["perf/update_time"] = time.perf_counter() - start
         metrics["perf/worker_max_rss_gb"] = _max_rss_gb()
         return DataProto(meta_info={"metrics": metrics})
+
+    def _trainable_snapshot(self) -> list[torch.Tensor]:
+        """A copy of this rank's shards of the trainable parameters (for the update's size)."""
+        return [_local(p).detach().clone() for p in self.actor.engine.module.parameters() if p.requires_grad]
+
+    def _update_size(self, before: list[torch.Tensor]) -> dict[str, float]:
+        """|Δθ| and |Δθ| / |θ| of this step's update over all ranks' shards of the trainable parameters."""
+        after = [_local(p).detach() for p in self.actor.engine.module.parameters() if p.requires_grad]
+        sums = torch.zeros(2, dtype=torch.float64)
+        for b, a in zip(before, after):
+            sums[0] += (a.double() - b.double()).pow(2).sum().cpu()
+            sums[1] += b.double().pow(2).sum().cpu()
+        if torch.distributed.is_initialized():
+            sums = sums.to(get_device_id())
+            torch.distributed.all_reduce(sums)
+            sums = sums.cpu()
+        norm = float(sums[0].sqrt())
+        return {"actor/update_norm": norm, "actor/update_rel_norm": norm / max(float(sums[1].sqrt()), 1e-30)}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -446,6 +467,11 @@ def full_state_dict(module: torch.nn.Module, *, trainable_only: bool, keep: bool
         if keep:
             out[key] = full.detach().to("cpu", copy=True)
     return out
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) parameter; a plain tensor as it is."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _max_rss_gb() -> float:
