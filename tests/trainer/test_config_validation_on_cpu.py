@@ -39,8 +39,8 @@ def test_tiny_default_is_valid(tmp_path, tiny_model):
 
 def test_the_shapes_run_passes_the_pre_ray_checks(tmp_path):
     """--config-name shapes_cpu: the packaged pretrained shapes model (pkg:// resolved to the installed package)
-    and packaged prompts with ground truth, the shapes reward, 32 px, every held-out prompt validated with two
-    noises; it passes the pre-Ray checks as is."""
+    and packaged prompts with ground truth, the shapes reward, 32 px, every held-out prompt of all six tags validated
+    once; it passes the pre-Ray checks as is."""
     with initialize_config_module(config_module="verl_diffusion.config", version_base=None):
         argv = ["x"]
         add_search_path(argv)
@@ -51,7 +51,10 @@ def test_the_shapes_run_passes_the_pre_ray_checks(tmp_path):
     assert os.path.isfile(os.path.join(cfg.actor_rollout_ref.model.path, "model_index.json"))
     assert dict(cfg.reward.components) == {"shapes": 1.0} and cfg.actor_rollout_ref.rollout.resolution == 32
     rows = PromptDataset(list(cfg.data.val_files))
-    assert 2 * len(rows) == cfg.trainer.val_num_images and "ground_truth" in rows[0]["reward_model"]
+    assert cfg.trainer.val_num_images is None and "ground_truth" in rows[0]["reward_model"]
+    from verl_diffusion.shapes.world import TAGS
+
+    assert {rows[i]["extra_info"]["tag"] for i in range(len(rows))} == set(TAGS)
 
 
 def test_missing_model_path(tmp_path):
