@@ -45,7 +45,7 @@ def _race():
     return mod
 
 
-def flat_grad(params) -> "torch.Tensor":
+def flat_grad(params):
     import torch
 
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
@@ -53,8 +53,6 @@ def flat_grad(params) -> "torch.Tensor":
 
 def half_gradient(loss, rows: dict, idx, adapter, ref, params, micro: int = 16):
     """The gradient of the mean loss over the trained (sample, step) items of rows[idx]."""
-    import torch
-
     from verl_diffusion.models.base import Conditioning
     from verl_diffusion.workers.step_loss import run_step_loss, trained_steps
 

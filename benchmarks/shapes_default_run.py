@@ -5,8 +5,11 @@
 Each seed is one ``python -m verl_diffusion.main_flowgrpo --config-name shapes_cpu trainer.seed=<s> data.seed=<s+1>``
 (+ the overrides) in a subprocess; the held-out prompts, their noise and the pretrained model are the same for every
 seed, so the "before" accuracy is identical and the gain differs only by the training's randomness (rollout noise,
-prompt order). Prints a markdown table (accuracy and reward at every validation, wall time) and the mean gain with
-its standard deviation over seeds.
+prompt order). The accuracy is the composition-weighted held-out strict accuracy over the tags
+(``val/shapes/strict/by_composition``: every tag weighs the same, every composition within it the same). Prints a
+markdown table (accuracy and reward at every validation, the gain with its paired standard error, wall time), the
+mean gain with its standard deviation over seeds, and each tag's gain averaged over seeds (from each run's
+heldout_by_tag.json) with the number of seeds in which it rose.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import sys
 import tempfile
 import time
 
-from verl_diffusion.trainer.validation import paired_standard_error
 
 
 def run_seed(seed: int, overrides: list[str], root: str) -> dict:
@@ -33,15 +35,14 @@ def run_seed(seed: int, overrides: list[str], root: str) -> dict:
         raise RuntimeError(f"seed {seed} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
     with open(os.path.join(env["VERL_DIFFUSION_RUN_ROOT"], "shapes_cpu", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    vals = [(r["step"], r["val/shapes/strict"], r["val/reward_mean"]) for r in rows if "val/shapes/strict" in r]
-    # Paired standard error of the strict gain (same prompts and noise): the measurement's own noise for this run.
-    strict = []
-    for st in (vals[0][0], vals[-1][0]):
-        path = os.path.join(env["VERL_DIFFUSION_RUN_ROOT"], "shapes_cpu", "validation", f"step_{st:05d}.jsonl")
-        with open(path) as f:
-            strict.append([json.loads(line)["shapes/strict"] for line in f])
-    se = paired_standard_error(*strict)
-    return {"seed": seed, "wall_s": wall, "vals": vals, "se": se, "stdout": res.stdout}
+    key = "val/shapes/strict/by_composition"
+    vals = [(r["step"], r[key], r["val/reward_mean"]) for r in rows if key in r]
+    # Per tag and for the mean over tags: gain and its paired standard error (same prompts and noise), the
+    # measurement's own noise for this run (trainer/tag_report.py).
+    with open(os.path.join(env["VERL_DIFFUSION_RUN_ROOT"], "shapes_cpu", "heldout_by_tag.json")) as f:
+        by_tag = {r["tag"]: r for r in json.load(f)["shapes/strict"]}
+    se = by_tag["all tags"]["se"]
+    return {"seed": seed, "wall_s": wall, "vals": vals, "se": se, "by_tag": by_tag, "stdout": res.stdout}
 
 
 def main(argv=None) -> int:
@@ -71,6 +72,13 @@ def main(argv=None) -> int:
     # How much of the spread between seeds the evaluation alone explains: the root mean square of the paired s.e.
     rms_se = 100 * (sum(r["se"] ** 2 for r in results) / len(results)) ** 0.5
     lines.append(f"evaluation noise of one gain (rms paired s.e.): {rms_se:.1f} points")
+    lines.append("\n| tag | base | gain, mean over seeds (points) | sd over seeds | seeds with a gain |")
+    lines.append("|---|---|---|---|---|")
+    for tag in results[0]["by_tag"]:
+        g = [100 * r["by_tag"][tag]["gain"] for r in results]
+        sd_t = statistics.stdev(g) if len(g) > 1 else float("nan")
+        lines.append(f"| {tag} | {100 * results[0]['by_tag'][tag]['before']:.1f}% | {statistics.mean(g):+.1f} | "
+                     f"{sd_t:.1f} | {sum(x > 0 for x in g)}/{len(g)} |")
     print("\n".join(lines))
     return 0
 
