@@ -13,7 +13,7 @@ import traceback
 
 def main(argv: list[str] | None = None) -> int:
     try:  # as main_flowgrpo does: on a CPU host choose the cpu platform before verl is imported (no fallback lines)
-        from verl_diffusion.main_flowgrpo import select_platform
+        from verl_diffusion.launch import select_platform
 
         select_platform()
     except RuntimeError as e:  # a GPU host whose driver torch cannot use: check the plugin anyway, say why

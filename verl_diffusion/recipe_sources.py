@@ -31,7 +31,7 @@ SILENT = "silent"
 
 
 def sources_dir() -> str:
-    from verl_diffusion.main_flowgrpo import recipes_dir
+    from verl_diffusion.recipe_index import recipes_dir
 
     return os.path.join(recipes_dir(), "sources")
 
@@ -109,7 +109,7 @@ def recipes_with_sources() -> list[str]:
 def render_all() -> str:
     from hydra import compose, initialize_config_dir
 
-    from verl_diffusion.main_flowgrpo import recipes_dir, searchpath_overrides
+    from verl_diffusion.recipe_index import recipes_dir, searchpath_overrides
 
     search = searchpath_overrides()
     parts = [BEGIN, ""]

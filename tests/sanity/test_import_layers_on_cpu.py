@@ -24,7 +24,7 @@ LAYERS = [
     ("rollout", 3), ("export.writer", 3), ("export.shards", 3),
     ("workers", 4),
     ("trainer", 5),
-    ("registry", 6), ("plugin", 6), ("hardware", 6), ("config_checks", 6),
+    ("registry", 6), ("plugin", 6), ("hardware", 6), ("config_checks", 6), ("launch", 6), ("recipe_index", 6),
     ("main_flowgrpo", 7), ("sample", 7), ("export", 7), ("recipe_sources", 7), ("check", 7),
 ]
 

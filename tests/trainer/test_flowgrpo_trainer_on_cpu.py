@@ -7,7 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from verl import DataProto
-from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, progress_line, validation_line
+from verl_diffusion.trainer.console import progress_line, validation_line
+from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer
 from verl_diffusion.trainer.metrics import reduce_worker_metrics, reward_metrics
 
 

@@ -1,10 +1,11 @@
-"""main_flowgrpo's platform choice (never a silent CPU fallback on a GPU host) and the run artefacts."""
+"""The platform choice (verl_diffusion/launch.py: never a silent CPU fallback on a GPU host) and the run artefacts."""
 
 import os
 
 import pytest
 import torch
 
+import verl_diffusion.launch as launch
 import verl_diffusion.main_flowgrpo as mf
 from verl_diffusion.trainer.validation import (
     image_grid, log_images, paired_standard_error, save_before_after, save_reward_curve, validation_gain_line,
@@ -15,9 +16,9 @@ from verl_diffusion.trainer.validation import (
 def test_cpu_only_host_selects_cpu(monkeypatch):
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setattr("verl_diffusion.workers.platform_cpu.accelerator_present", lambda: False)
-    monkeypatch.setattr(mf, "_gpu_host", lambda: False)
+    monkeypatch.setattr(launch, "_gpu_host", lambda: False)
     try:
-        assert mf.select_platform() == "cpu" and os.environ["VERL_PLATFORM"] == "cpu"
+        assert launch.select_platform() == "cpu" and os.environ["VERL_PLATFORM"] == "cpu"
     finally:
         os.environ.pop("VERL_PLATFORM", None)
 
@@ -25,18 +26,18 @@ def test_cpu_only_host_selects_cpu(monkeypatch):
 def test_gpu_host_without_cuda_refuses(monkeypatch):
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setattr("verl_diffusion.workers.platform_cpu.accelerator_present", lambda: False)
-    monkeypatch.setattr(mf, "_gpu_host", lambda: True)
+    monkeypatch.setattr(launch, "_gpu_host", lambda: True)
     with pytest.raises(RuntimeError, match="VERL_PLATFORM=cpu"):
-        mf.select_platform()
+        launch.select_platform()
     assert "VERL_PLATFORM" not in os.environ
 
 
 def test_accelerator_or_explicit_choice_is_kept(monkeypatch):
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setattr("verl_diffusion.workers.platform_cpu.accelerator_present", lambda: True)
-    assert mf.select_platform() == "" and "VERL_PLATFORM" not in os.environ
+    assert launch.select_platform() == "" and "VERL_PLATFORM" not in os.environ
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    assert mf.select_platform() == "cpu"
+    assert launch.select_platform() == "cpu"
 
 
 def test_pkg_paths_resolve_to_packaged_prompts():

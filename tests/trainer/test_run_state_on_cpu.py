@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from verl import DataProto
 from verl_diffusion.trainer.checkpoints import (
     TRACKER_NAME, check_checkpoint, find_resume_checkpoint, read_tracker, step_dir, write_manifest, write_tracker)
-from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer, progress_line
+from verl_diffusion.trainer.console import progress_line
+from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer
 from verl_diffusion.trainer.reward_health import RewardFailureBudget, RewardHealth, failure_summary
 from verl_diffusion.trainer.run_dir import MetricsLog, RunDirError, clear_outputs, plan_run, write_run_state
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested

@@ -187,3 +187,23 @@ class EpochShuffleSampler(Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._offset, self._yielded = int(epoch), 0, 0
+
+
+def build_dataloaders(config):
+    """(train dataset, val dataset, train sampler, train dataloader, val dataloader) of a run config: prompt rows
+    (no tokenizer), an epoch-seeded shuffle (``EpochShuffleSampler``: a resume reproduces the order), the whole
+    validation set in one batch. A train batch larger than the prompt set is refused."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = config.data
+    key = data.get("prompt_key", "prompt")
+    train = PromptDataset(list(data.train_files), prompt_key=key, max_samples=data.get("train_max_samples", -1))
+    val = PromptDataset(list(data.val_files), prompt_key=key, max_samples=data.get("val_max_samples", -1))
+    sampler = EpochShuffleSampler(len(train), seed=int(data.get("seed", 1)), shuffle=bool(data.get("shuffle", True)))
+    train_dl = StatefulDataLoader(train, batch_size=int(data.train_batch_size), sampler=sampler, drop_last=True,
+                                  collate_fn=collate_prompts, num_workers=0)
+    val_dl = StatefulDataLoader(val, batch_size=len(val), shuffle=False, collate_fn=collate_prompts, num_workers=0)
+    if len(train_dl) < 1:
+        raise ValueError(f"data.train_batch_size={data.train_batch_size} is larger than the {len(train)} training "
+                         "prompts")
+    return train, val, sampler, train_dl, val_dl

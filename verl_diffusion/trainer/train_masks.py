@@ -6,14 +6,18 @@
   (``algorithm.flow_grpo.filter_zero_advantage``). They stay in the batch, so the worker's per-step
   ``prepare`` (path-space ĝ / KDE pool) still sees every member of every group.
 
-Pure torch; the trainer calls both on the driver, so the mask the worker trains on is the one the driver logs.
+Pure torch; the trainer calls both on the driver (``TrainMaskMixin``, from its config), so the mask the worker trains
+on is the one the driver logs.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from verl import DataProto
 
 
 def steps_to_keep(n_window: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -59,3 +63,31 @@ def filter_zero_advantage(train_mask: torch.Tensor, advantages: torch.Tensor) ->
         return train_mask, {"actor/filtered_frac": 0.0, "actor/filter_skipped": float(n_trained > 0)}
     mask = train_mask * (~zero).to(train_mask.dtype)[:, None]
     return mask, {"actor/filtered_frac": float(zero.sum()) / n_trained, "actor/filter_skipped": 0.0}
+
+
+class TrainMaskMixin:
+    """The driver's train-mask edits of a step (a mixin of ``RayFlowGRPOTrainer``), from its config."""
+
+    def _subsample_train_steps(self, batch: DataProto, step: int) -> dict[str, float]:
+        """DanceGRPO's per-sample random subset of the window steps (``actor.train_step_fraction``, docs/algorithms.md §3.1),
+        drawn from ``trainer.seed`` and the step only, so a resumed run draws the same subsets."""
+        frac = float(self.config.actor_rollout_ref.actor.get("train_step_fraction", 1.0))
+        if frac >= 1.0:
+            return {}
+        seed = (int(self.config.trainer.get("seed", 0)) + int(step)) * 1000 + 7
+        gen = torch.Generator().manual_seed(seed)
+        mask = batch.batch["train_mask"]
+        batch.batch["train_mask"] = subsample_train_steps(mask, frac, gen)
+        return {"actor/window_fraction": float(mask.float().mean())}
+
+    def _filter_zero_advantage(self, batch: DataProto) -> dict[str, float]:
+        """docs/algorithms.md §2.3: samples with A_i = 0 leave the policy-loss items (``algorithm.flow_grpo.filter_zero_advantage``);
+        they stay in the batch, so the worker's prepare hook (KDE pool) still sees whole groups."""
+        sub = self.config.algorithm.get("flow_grpo", None) or {}
+        if not bool(sub.get("filter_zero_advantage", False)):
+            return {}
+        mask, metrics = filter_zero_advantage(batch.batch["train_mask"], batch.batch["advantages"])
+        batch.batch["train_mask"] = mask
+        batch.batch["response_mask"] = mask
+        batch.batch["advantages"] = batch.batch["advantages"] * mask.to(batch.batch["advantages"].dtype)
+        return metrics
