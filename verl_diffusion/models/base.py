@@ -249,18 +249,33 @@ class DiffusersAdapter:
     fine-tuning, the reference model. Subclasses add the architecture's primitives (``encode_prompt``,
     ``velocity``, ``decode``, ``latent_shape``, ``sampling_grid``) and set:
 
+    * ``name``: the architecture's name (``actor_rollout_ref.model.architecture``);
     * ``architecture``: the diffusers pipeline class name (``model_index.json``'s ``_class_name``);
+    * ``transformer_class``: the diffusers class of its transformer;
     * ``frozen_components``: pipeline attributes that never train (text encoders, VAE);
-    * ``LORA_TARGETS``: the default peft ``target_modules``.
+    * ``LORA_TARGETS``: the default peft ``target_modules``;
+
+    and implement :meth:`latent_grid` (the latent shape from the configs alone). The module that defines an
+    adapter also defines ``build_tiny_pipeline`` (a random tiny pipeline of the architecture, offline) and names
+    its adapter ``ADAPTER``: ``verl_diffusion.models`` finds architectures by that name.
 
     The text encoders and the VAE are frozen (eval, no grad). The transformer is fully trainable until
     :meth:`add_lora` freezes its base weights and adds a LoRA adapter. ``adapter.transformer`` may be
     replaced by a wrapped module (FSDP2, compiled); every method reads the attribute at call time.
     """
 
+    name: str = ""
     architecture: str = ""
+    transformer_class: str = ""
     frozen_components: tuple[str, ...] = ("vae", "text_encoder")
     LORA_TARGETS: Union[list[str], str] = []
+
+    @staticmethod
+    def latent_grid(transformer_config: dict, vae_config: dict, height: int, width: int) -> tuple[int, tuple]:
+        """(m, [C, h, w]): the pixel multiple m that ``height`` and ``width`` must be, and the latent dims of one
+        sample, from the transformer's and VAE's ``config.json`` alone (no weights; what :meth:`latent_shape` gives
+        once loaded)."""
+        raise NotImplementedError
 
     def __init__(self, pipe):
         self.pipe = pipe

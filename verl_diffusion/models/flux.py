@@ -27,6 +27,8 @@ import torch
 
 from verl_diffusion.models.base import (Conditioning, DiffusersAdapter, linspace_grid, lora_target_regex, shift_mu,
                                         to_uint8)
+from verl_diffusion.models.tiny_parts import (FLUX_SCHEDULER, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR, clip_tokenizer,
+                                              rope_axes, t5_tokenizer)
 
 FLUX_LORA_BLOCKS = {
     "transformer_blocks": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
@@ -45,9 +47,17 @@ class FluxAdapter(DiffusersAdapter):
       (FLUX.1-dev: 3.5, the pipeline default); ignored by models without a guidance embedding (schnell).
     """
 
+    name = "flux"
     architecture = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
     frozen_components = ("vae", "text_encoder", "text_encoder_2")
     LORA_TARGETS = FLUX_LORA_TARGETS
+
+    @staticmethod
+    def latent_grid(transformer_config, vae_config, height, width):
+        """2×2 latent patches packed into the transformer's input channels (in_channels = 4·C)."""
+        f = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        return 2 * f, (int(transformer_config["in_channels"]) // 4, height // f, width // f)
 
     def __init__(self, pipe, *, max_sequence_length: int = 512, distilled_guidance_scale: float = 3.5):
         super().__init__(pipe)
@@ -138,3 +148,47 @@ class FluxAdapter(DiffusersAdapter):
         cfg = self.vae.config
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
         return to_uint8(self.vae.decode(z, return_dict=False)[0])
+
+
+ADAPTER = FluxAdapter
+
+
+def build_tiny_pipeline(*, seed: int = 0, num_layers: int = 1, num_single_layers: int = 1,
+                        attention_head_dim: int = 16, num_attention_heads: int = 2, text_width: int = 16,
+                        text_seq_len: int = 16, latent_channels: int = 16, vae_channels: int = 8,
+                        guidance_embeds: bool = True, dtype: torch.dtype = torch.float32):
+    """A random tiny ``FluxPipeline`` (FLUX.1-dev layout: guidance embedding on): CLIP-L (pooled) and T5
+    text encoders with ``text_seq_len`` tokens, ``num_layers`` double- and ``num_single_layers``
+    single-stream blocks, a 16-channel VAE of factor 8 with FLUX's scaling/shift, FLUX.1-dev's scheduler
+    config. 64×64 pixels → latents [16, 8, 8], 16 image tokens."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = clip_tokenizer(text_seq_len)
+    tokenizer_2 = t5_tokenizer(text_seq_len)
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=text_seq_len, projection_dim=text_width,
+        hidden_act="gelu", bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=2 * text_width, d_kv=8, d_ff=4 * text_width, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=attention_head_dim, num_attention_heads=num_attention_heads,
+        joint_attention_dim=2 * text_width, pooled_projection_dim=text_width, guidance_embeds=guidance_embeds,
+        axes_dims_rope=rope_axes(attention_head_dim, 3))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(vae_channels,) * 4, layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=min(4, vae_channels), sample_size=64,
+        scaling_factor=FLUX_VAE_SCALING_FACTOR, shift_factor=FLUX_VAE_SHIFT_FACTOR,
+        use_quant_conv=False, use_post_quant_conv=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    for module in (transformer, vae, text_encoder, text_encoder_2):
+        module.eval()
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from verl_diffusion.models.base import Conditioning, DiffusersAdapter, linspace_grid, lora_target_regex, to_uint8
+from verl_diffusion.models.tiny_parts import FLUX_SCHEDULER, qwen_tokenizer, rope_axes
 
 FLUX2_LORA_BLOCKS = {
     "transformer_blocks": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
@@ -47,9 +48,17 @@ class Flux2KleinAdapter(DiffusersAdapter):
       text_encoder_out_layers: Qwen3 hidden-state layers concatenated per token (the pipeline's (9, 18, 27)).
     """
 
+    name = "flux2_klein"
     architecture = "Flux2KleinPipeline"
+    transformer_class = "Flux2Transformer2DModel"
     frozen_components = ("vae", "text_encoder")
     LORA_TARGETS = FLUX2_LORA_TARGETS
+
+    @staticmethod
+    def latent_grid(transformer_config, vae_config, height, width):
+        """The flow runs in the patchified space (in_channels = 4·C, h = H / 2f)."""
+        f = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        return 2 * f, (int(transformer_config["in_channels"]), height // (2 * f), width // (2 * f))
 
     def __init__(self, pipe, *, max_sequence_length: int = 512,
                  text_encoder_out_layers: Sequence[int] = (9, 18, 27)):
@@ -135,3 +144,49 @@ class Flux2KleinAdapter(DiffusersAdapter):
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(z.device, z.dtype)
         z = self.pipe._unpatchify_latents(z * std + mean)
         return to_uint8(self.vae.decode(z, return_dict=False)[0])
+
+
+ADAPTER = Flux2KleinAdapter
+
+
+def build_tiny_pipeline(*, seed: int = 0, num_layers: int = 1, num_single_layers: int = 1,
+                        attention_head_dim: int = 16, num_attention_heads: int = 2, text_width: int = 16,
+                        text_layers: int = 28, text_seq_len: int = 32, vae_latent_channels: int = 8,
+                        vae_channels: int = 8, dtype: torch.dtype = torch.float32):
+    """A random tiny ``Flux2KleinPipeline`` (klein-base: not distilled, no guidance embedding): a Qwen3 text
+    encoder of ``text_layers`` layers (28, so the pipeline's hidden-state layers 9, 18, 27 exist) and width
+    ``text_width``, ``text_seq_len`` text tokens, the FLUX.2 VAE (factor 8, ``vae_latent_channels`` channels,
+    batch-norm statistics randomised so decode exercises them), FLUX's scheduler config.
+    64×64 pixels → latents [4·vae_latent_channels, 4, 4], 16 image tokens."""
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = qwen_tokenizer(text_seq_len)
+    torch.manual_seed(seed)
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width,
+        num_hidden_layers=text_layers, num_attention_heads=2, num_key_value_heads=2, head_dim=text_width // 2,
+        max_position_embeddings=512, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id))
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * vae_latent_channels, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=attention_head_dim, num_attention_heads=num_attention_heads,
+        joint_attention_dim=3 * text_width, timestep_guidance_channels=32,
+        axes_dims_rope=rope_axes(attention_head_dim, 4), guidance_embeds=False)
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(vae_channels,) * 4, layers_per_block=1,
+        latent_channels=vae_latent_channels, norm_num_groups=min(4, vae_channels), sample_size=64,
+        use_quant_conv=False, use_post_quant_conv=False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(0.3 * torch.randn(vae.bn.running_mean.shape, generator=gen))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=gen))
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=False)
+    pipe.set_progress_bar_config(disable=True)
+    for module in (transformer, vae, text_encoder):
+        module.eval()
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)

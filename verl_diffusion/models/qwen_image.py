@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from verl_diffusion.models.base import Conditioning, DiffusersAdapter, linspace_grid, shift_mu, to_uint8
+from verl_diffusion.models.tiny_parts import QWEN_IMAGE_SCHEDULER, QWEN_SPECIALS, qwen_tokenizer, rope_axes
 
 # Attention of both streams + the image and text MLPs of every block (peft suffixes; a test checks that they
 # cover every such Linear of the real module tree and nothing else).
@@ -47,9 +48,18 @@ class QwenImageAdapter(DiffusersAdapter):
       one's per-token norm, as the pipeline does (default True).
     """
 
+    name = "qwen_image"
     architecture = "QwenImagePipeline"
+    transformer_class = "QwenImageTransformer2DModel"
     frozen_components = ("vae", "text_encoder")
     LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS
+
+    @staticmethod
+    def latent_grid(transformer_config, vae_config, height, width):
+        """The causal 3D VAE (factor 2 per temporal-downsample entry); 2×2 latent patches packed into the
+        transformer's input channels (in_channels = 4·C)."""
+        f = 2 ** len(vae_config["temperal_downsample"])
+        return 2 * f, (int(transformer_config["in_channels"]) // 4, height // f, width // f)
 
     def __init__(self, pipe, *, max_sequence_length: int = 512, cfg_renorm: bool = True):
         super().__init__(pipe)
@@ -143,3 +153,53 @@ class QwenImageAdapter(DiffusersAdapter):
         inv_std = 1.0 / torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, cfg.z_dim, 1, 1, 1)
         image = self.vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]   # the pipeline's arithmetic
         return to_uint8(image)
+
+
+ADAPTER = QwenImageAdapter
+
+
+def build_tiny_pipeline(*, seed: int = 0, num_layers: int = 2, attention_head_dim: int = 16,
+                        num_attention_heads: int = 2, text_width: int = 16, latent_channels: int = 16,
+                        vae_base_dim: int = 8, max_length: int = 128, dtype: torch.dtype = torch.float32):
+    """A random tiny ``QwenImagePipeline``: Qwen2.5-VL text encoder (2 layers, width ``text_width``), the
+    MMDiT with ``num_layers`` blocks, the causal 3D VAE (factor 8, ``latent_channels`` channels), and the
+    real scheduler config (:data:`QWEN_IMAGE_SCHEDULER`). 64×64 pixels → latents [16, 8, 8], 16 image tokens.
+    """
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = qwen_tokenizer(max_length)
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    torch.manual_seed(seed)
+    head = text_width // 2
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": text_width, "intermediate_size": 2 * text_width, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tokenizer),
+                     "bos_token_id": tokenizer.pad_token_id, "eos_token_id": special["<|im_end|>"],
+                     "max_position_embeddings": 2048, "rope_theta": 1000000.0,
+                     "rope_scaling": {"mrope_section": [head // 8, head // 8, head // 4], "rope_type": "default",
+                                      "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": text_width},
+        image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * latent_channels, out_channels=latent_channels, num_layers=num_layers,
+        attention_head_dim=attention_head_dim, num_attention_heads=num_attention_heads,
+        joint_attention_dim=text_width, guidance_embeds=False, axes_dims_rope=rope_axes(attention_head_dim, 3))
+    gen = torch.Generator().manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(
+        base_dim=vae_base_dim, z_dim=latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[round(float(v), 4) for v in 0.5 * torch.randn(latent_channels, generator=gen)],
+        latents_std=[round(float(v), 4) for v in 1.0 + torch.rand(latent_channels, generator=gen)])
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    for module in (transformer, vae, text_encoder):
+        module.eval()
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)

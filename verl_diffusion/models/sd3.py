@@ -12,11 +12,12 @@ CFG: one batched forward of [negative; conditional], v = v_neg + s·(v_cond − 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from verl_diffusion.models.base import Conditioning, DiffusersAdapter, scheduler_sigmas, to_uint8
+from verl_diffusion.models.tiny_parts import SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR, clip_tokenizer, t5_tokenizer
 
 # Flow-GRPO's SD3.5 LoRA targets: the joint-attention projections of both streams.
 SD3_LORA_TARGETS = [
@@ -28,9 +29,18 @@ SD3_LORA_TARGETS = [
 class SD3Adapter(DiffusersAdapter):
     """SD3 / SD3.5 primitives (``FlowModelAdapter``)."""
 
+    name = "sd3"
     architecture = "StableDiffusion3Pipeline"
+    transformer_class = "SD3Transformer2DModel"
     frozen_components = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     LORA_TARGETS = SD3_LORA_TARGETS
+
+    @staticmethod
+    def latent_grid(transformer_config, vae_config, height, width):
+        """SD3 keeps the VAE's latents (the transformer patchifies them)."""
+        f = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        return f * int(transformer_config.get("patch_size", 2)), (int(transformer_config["in_channels"]),
+                                                                   height // f, width // f)
 
     def __init__(self, pipe, *, max_sequence_length: int = 256):
         super().__init__(pipe)
@@ -110,3 +120,89 @@ class SD3Adapter(DiffusersAdapter):
         z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
         image = self.vae.decode(z, return_dict=False)[0]
         return to_uint8(image)
+
+
+ADAPTER = SD3Adapter
+
+
+def build_tiny_pipeline(
+    *,
+    seed: int = 0,
+    sample_size: int = 16,
+    num_layers: int = 2,
+    attention_head_dim: int = 8,
+    num_attention_heads: int = 4,
+    text_width: int = 16,
+    text_seq_len: int = 16,
+    latent_channels: int = 16,
+    vae_channels: int = 8,
+    vae_blocks: int = 3,
+    vocab: Optional[Sequence[str]] = None,
+    shift: float = 3.0,
+    dtype: torch.dtype = torch.float32,
+):
+    """Build a random tiny ``StableDiffusion3Pipeline`` offline.
+
+    Args:
+      seed: torch seed for all random weights (same seed → bitwise same weights).
+      sample_size: latent height = width; pixels = f·sample_size with the VAE factor f = 2^(vae_blocks − 1).
+      num_layers, attention_head_dim, num_attention_heads: the joint transformer (width = heads·head_dim).
+      text_width: hidden width of each CLIP encoder; T5 and the joint attention use 2·text_width, so the
+        padded CLIP-L/G concat fits exactly as in SD3.
+      text_seq_len: CLIP and T5 token length (L = 2·text_seq_len tokens of conditioning).
+      latent_channels: 16 as in SD3.
+      vae_channels: width of the VAE blocks.
+      vae_blocks: number of VAE encoder/decoder blocks (3: factor 4, 2: factor 2).
+      vocab: whole words of the tokenizers (lower-case; e.g. a prompt vocabulary), on top of the characters.
+      shift: FlowMatchEulerDiscreteScheduler shift (SD3: 3).
+    Returns: StableDiffusion3Pipeline on CPU in ``dtype``.
+    """
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    words = [w.lower() for w in vocab or ()]
+    tokenizer = clip_tokenizer(text_seq_len, words)
+    tokenizer_2 = clip_tokenizer(text_seq_len, words)
+    tokenizer_3 = t5_tokenizer(text_seq_len, words)
+    joint_dim = 2 * text_width
+
+    torch.manual_seed(seed)
+    clip_cfg = dict(
+        vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width,
+        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=text_seq_len,
+        projection_dim=text_width, hidden_act="gelu", bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    text_encoder_3 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_3), d_model=joint_dim, d_kv=8, d_ff=2 * joint_dim, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0,
+    ))
+    transformer = SD3Transformer2DModel(
+        sample_size=sample_size, patch_size=2, in_channels=latent_channels, out_channels=latent_channels,
+        num_layers=num_layers, attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads, joint_attention_dim=joint_dim,
+        caption_projection_dim=attention_head_dim * num_attention_heads,
+        pooled_projection_dim=2 * text_width, pos_embed_max_size=max(sample_size, 16),
+    )
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * vae_blocks, up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+        block_out_channels=(vae_channels,) * vae_blocks, layers_per_block=1, latent_channels=latent_channels,
+        norm_num_groups=min(4, vae_channels), sample_size=2 ** (vae_blocks - 1) * sample_size,
+        scaling_factor=SD3_VAE_SCALING_FACTOR, shift_factor=SD3_VAE_SHIFT_FACTOR,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    for module in (transformer, vae, text_encoder, text_encoder_2, text_encoder_3):
+        module.eval()
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# diffusers pipeline class of a checkpoint (model_index.json "_class_name") -> our pipeline in ``pipelines``.
-PIPELINE_CLASSES = {
-    "StableDiffusion3Pipeline": "SD3RolloutPipeline",
-    "QwenImagePipeline": "QwenImageRolloutPipeline",
-    "FluxPipeline": "FluxRolloutPipeline",
-    "Flux2KleinPipeline": "Flux2KleinRolloutPipeline",
-}
+from verl_diffusion.models import adapter_classes
+
+
+def rollout_pipeline_name(adapter_cls) -> str:
+    """Our vllm-omni pipeline class for an adapter (``SD3Adapter`` -> ``SD3RolloutPipeline``)."""
+    return adapter_cls.__name__.removesuffix("Adapter") + "RolloutPipeline"
+
+
+# diffusers pipeline class of a checkpoint (model_index.json "_class_name") -> our pipeline in ``pipelines``, one per
+# architecture module (verl_diffusion/models).
+PIPELINE_CLASSES = {cls.architecture: rollout_pipeline_name(cls) for cls in adapter_classes().values()}
 
 
 def _config(model_path, subfolder: str) -> dict:
@@ -27,9 +31,8 @@ def latent_shape_of(model_path: str, height: int, width: int) -> tuple[int, int,
     """The latent dims [C, h, w] of one ``height`` × ``width`` sample of the checkpoint at ``model_path``.
 
     Read from the transformer and VAE configs (no weights loaded), so the replica plans x_{t_0} and z_k before the
-    engine has built anything. Mirrors each adapter's ``latent_shape`` (models/*.py; a test checks that they agree):
-    SD3 keeps the VAE's latents; Qwen-Image and FLUX.1 pack 2×2 latent patches into the transformer's input channels
-    (in_channels = 4·C); FLUX.2 [klein] runs the flow in the patchified space (in_channels = 4·C, h = H / 2f).
+    engine has built anything: each adapter's ``latent_grid`` (models/<architecture>.py), which a test checks against
+    the loaded adapter's ``latent_shape``.
     """
     from verl_diffusion.models.base import pipeline_class_name
 
@@ -37,18 +40,8 @@ def latent_shape_of(model_path: str, height: int, width: int) -> tuple[int, int,
     if arch not in PIPELINE_CLASSES:
         raise ValueError(f"the vllm_omni replica has no pipeline for {arch!r} (model {model_path!r}); available: "
                          f"{sorted(PIPELINE_CLASSES)}")
-    tr, vae = _config(model_path, "transformer"), _config(model_path, "vae")
-    if arch == "QwenImagePipeline":          # the causal 3D VAE: factor 2 per temporal-downsample entry
-        f = 2 ** len(vae["temperal_downsample"])
-    else:
-        f = 2 ** (len(vae["block_out_channels"]) - 1)
-    channels = int(tr["in_channels"])
-    if arch == "StableDiffusion3Pipeline":
-        multiple, dims = f * int(tr.get("patch_size", 2)), (channels, height // f, width // f)
-    elif arch == "Flux2KleinPipeline":
-        multiple, dims = 2 * f, (channels, height // (2 * f), width // (2 * f))
-    else:
-        multiple, dims = 2 * f, (channels // 4, height // f, width // f)
+    adapter = next(cls for cls in adapter_classes().values() if cls.architecture == arch)
+    multiple, dims = adapter.latent_grid(_config(model_path, "transformer"), _config(model_path, "vae"), height, width)
     if height % multiple or width % multiple:
         raise ValueError(f"actor_rollout_ref.rollout.resolution {height}x{width} is not a multiple of {multiple}, "
                          f"which a {arch} needs")

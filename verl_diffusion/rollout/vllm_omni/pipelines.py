@@ -2,9 +2,9 @@
 
 One generic pipeline, :class:`AdapterRolloutPipeline`, runs any model adapter (``models/base.py``) through the
 same loop as the diffusers rollout (``DiffusersRollout.run_trajectory`` over ``algos.sde``), so its log-probs are
-the ones the trainer recomputes. An architecture is a subclass naming three classes: :class:`SD3RolloutPipeline`,
-:class:`QwenImageRolloutPipeline`, :class:`FluxRolloutPipeline` (FLUX.1-dev / schnell) and
-:class:`Flux2KleinRolloutPipeline` (FLUX.2 [klein]).
+the ones the trainer recomputes. Each architecture module (verl_diffusion/models) gets a subclass naming three classes
+from its adapter: ``SD3RolloutPipeline``, ``QwenImageRolloutPipeline``, ``FluxRolloutPipeline`` (FLUX.1-dev /
+schnell) and ``Flux2KleinRolloutPipeline`` (FLUX.2 [klein]).
 
 vllm-omni's contract (0.28 and 0.30, measured): no base class; ``__init__(*, od_config)``, ``forward(batch)`` returning one
 ``DiffusionOutput`` per request, ``load_weights(weights) -> loaded names`` and ``weights_sources``. vllm-omni
@@ -30,12 +30,12 @@ from torch import nn
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
+from verl_diffusion.models import adapter_classes
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, trajectory_coefficients
+from verl_diffusion.rollout.vllm_omni import PIPELINE_CLASSES
 from verl_diffusion.rollout.vllm_omni.protocol import SampleRequest, parse_extra_args, read_lora_dir
 
-__all__ = ["AdapterRolloutPipeline", "SD3RolloutPipeline", "QwenImageRolloutPipeline", "FluxRolloutPipeline",
-           "Flux2KleinRolloutPipeline", "PIPELINES", "register_pipelines"]
+__all__ = ["AdapterRolloutPipeline", "PIPELINES", "register_pipelines", *PIPELINE_CLASSES.values()]
 
 
 def _import(qualname: str):
@@ -254,43 +254,22 @@ class AdapterRolloutPipeline(nn.Module):
                 m.enable_adapters(on)
 
 
-class SD3RolloutPipeline(AdapterRolloutPipeline):
-    """SD3 / SD3.5 (``StableDiffusion3Pipeline`` checkpoints) with our kernels."""
-
-    diffusers_pipeline = "diffusers.StableDiffusion3Pipeline"
-    transformer_class = "diffusers.SD3Transformer2DModel"
-    adapter_class = "verl_diffusion.models.sd3.SD3Adapter"
-
-
-class QwenImageRolloutPipeline(AdapterRolloutPipeline):
-    """Qwen-Image (``QwenImagePipeline`` checkpoints) with our kernels; text length varies per prompt (a mask)."""
-
-    diffusers_pipeline = "diffusers.QwenImagePipeline"
-    transformer_class = "diffusers.QwenImageTransformer2DModel"
-    adapter_class = "verl_diffusion.models.qwen_image.QwenImageAdapter"
+def _rollout_pipeline(adapter_cls) -> type[AdapterRolloutPipeline]:
+    """The pipeline of one architecture: its diffusers checkpoint layout, with our kernels through its adapter."""
+    return type(PIPELINE_CLASSES[adapter_cls.architecture], (AdapterRolloutPipeline,), {
+        "__module__": __name__,
+        "__doc__": f"``{adapter_cls.architecture}`` checkpoints with our kernels, through ``{adapter_cls.__name__}``.",
+        "diffusers_pipeline": f"diffusers.{adapter_cls.architecture}",
+        "transformer_class": f"diffusers.{adapter_cls.transformer_class}",
+        "adapter_class": f"{adapter_cls.__module__}.{adapter_cls.__name__}",
+    })
 
 
-class FluxRolloutPipeline(AdapterRolloutPipeline):
-    """FLUX.1-dev / schnell (``FluxPipeline`` checkpoints) with our kernels; the distilled guidance is the
-    adapter's ``distilled_guidance_scale``, as in training."""
-
-    diffusers_pipeline = "diffusers.FluxPipeline"
-    transformer_class = "diffusers.FluxTransformer2DModel"
-    adapter_class = "verl_diffusion.models.flux.FluxAdapter"
-
-
-class Flux2KleinRolloutPipeline(AdapterRolloutPipeline):
-    """FLUX.2 [klein] (``Flux2KleinPipeline`` checkpoints) with our kernels; latents in the patchified,
-    batch-normalised space the adapter samples in."""
-
-    diffusers_pipeline = "diffusers.Flux2KleinPipeline"
-    transformer_class = "diffusers.Flux2Transformer2DModel"
-    adapter_class = "verl_diffusion.models.flux2.Flux2KleinAdapter"
-
-
-# diffusers pipeline class (model_index.json "_class_name") -> our pipeline (the table lives in the package
-# __init__, which the replica reads without importing vllm-omni).
-PIPELINES: dict[str, type[AdapterRolloutPipeline]] = {arch: globals()[name] for arch, name in PIPELINE_CLASSES.items()}
+# diffusers pipeline class (model_index.json "_class_name") -> our pipeline, one per architecture module
+# (verl_diffusion/models); each is also a module attribute under its name, where vllm-omni resolves it.
+PIPELINES: dict[str, type[AdapterRolloutPipeline]] = {cls.architecture: _rollout_pipeline(cls)
+                                                      for cls in adapter_classes().values()}
+globals().update({cls.__name__: cls for cls in PIPELINES.values()})
 
 
 def register_pipelines() -> dict[str, str]:
