@@ -60,12 +60,12 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     "diffusion_nft": ("sd35_ocr_diffusion_nft", []),
     "awm": ("sd35_pickscore_awm", []),
     "path_space_kde": ("sd35_pickscore_path_space", []),
-    # The other estimators take their preset's whole row (SPEC §7.7): clear the recipe's explicit kde-row knobs.
+    # The other estimators take their preset's whole row (docs/algorithms.md §7.7): clear the recipe's explicit kde-row knobs.
     "path_space_det": ("sd35_pickscore_path_space", [
         "actor_rollout_ref.actor.policy_loss.preset=ps_det", "actor_rollout_ref.actor.policy_loss.estimator=null",
         "actor_rollout_ref.actor.policy_loss.w1_family=null", "actor_rollout_ref.actor.policy_loss.w2_family=null",
         "actor_rollout_ref.actor.policy_loss.xt_source=null"]),
-    # P-S ran the stochastic estimator at η = 0.225 (a = √(2η) = 0.671, SPEC §9.1), the others at η = 0.005.
+    # P-S ran the stochastic estimator at η = 0.225 (a = √(2η) = 0.671, docs/algorithms.md §9), the others at η = 0.005.
     "path_space_sto": ("sd35_pickscore_path_space", [
         "actor_rollout_ref.rollout.sde.noise_level=0.671", "actor_rollout_ref.actor.policy_loss.preset=ps_sto", "actor_rollout_ref.actor.policy_loss.estimator=null",
         "actor_rollout_ref.actor.policy_loss.w1_family=null", "actor_rollout_ref.actor.policy_loss.w2_family=null",

@@ -1,4 +1,4 @@
-"""Bias/variance of the path-space value-gradient estimators (P-S Fig. 1(b,c); SPEC §7.4, §7.8).
+"""Bias/variance of the path-space value-gradient estimators (P-S Fig. 1(b,c); docs/algorithms.md §7).
 
 Problem with a known ∇V: endpoint law = Gaussian mixture in d dims (K components, means μ_k, isotropic
 std s), linear advantage A(x0) = ⟨a, x0⟩ (sum). For x_t = (1−t)x0 + tε everything is closed form:

@@ -102,7 +102,7 @@ def main(argv=None):
 
 @torch.no_grad()
 def flow_loss_by_t(model_dirs, n: int = 512, seed: int = 7, threads: int = 1):
-    """Flow-matching loss (SPEC §1: x_t = (1 − t)·x0 + t·ε, target ε − x0) of each model on the same ``n`` fresh
+    """Flow-matching loss (docs/algorithms.md §1: x_t = (1 − t)·x0 + t·ε, target ε − x0) of each model on the same ``n`` fresh
     scenes of pretraining prompts, the same ε, at t = 0.1, 0.3, 0.5, 0.7, 0.9. The models must share the VAE (the
     latents are encoded by the first model's VAE and scaled by each model's own factors)."""
     from pretrain_shapes import World

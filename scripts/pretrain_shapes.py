@@ -9,7 +9,7 @@ re-run was not compared). Two stages, both on scenes rendered by ``verl_diffusio
 1. the VAE (``AutoencoderKL``, 2 blocks: 32 px → 16 × 16 × 4 latents) on renders of pretraining prompts, L1 + a
    small KL; its scaling and shift factors are then set to the latents' std and mean so the transformer sees
    unit-variance latents (the decode path of the adapter undoes them, as with SD3's constants);
-2. the transformer (``SD3Transformer2DModel``) by flow matching with SPEC §1's conventions: x_t = (1 − t)·x0 + t·ε,
+2. the transformer (``SD3Transformer2DModel``) by flow matching with docs/algorithms.md §1's conventions: x_t = (1 − t)·x0 + t·ε,
    the network predicts the velocity ε − x0, t ~ logit-normal (SD3's training density); the prompts of
    ``pretrain_sample`` (rare compositions downweighted), 10 % of them replaced by the empty prompt so CFG is
    available; AdamW with warmup and cosine decay; an EMA of the weights is what is saved.
