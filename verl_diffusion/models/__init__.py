@@ -36,13 +36,18 @@ def adapter_classes() -> dict:
     return {name: module.ADAPTER for name, module in architecture_modules().items()}
 
 
+def pipeline_architectures() -> dict:
+    """diffusers pipeline class (``model_index.json``'s ``_class_name``) → architecture name."""
+    return {cls.architecture: name for name, cls in adapter_classes().items()}
+
+
 def __getattr__(attr: str):
     # MODEL_ADAPTERS (name → "module:Class") and PIPELINE_ARCHITECTURES (diffusers pipeline class → name), derived
     # from the architecture modules when first read.
     if attr == "MODEL_ADAPTERS":
         return {name: f"{cls.__module__}:{cls.__name__}" for name, cls in adapter_classes().items()}
     if attr == "PIPELINE_ARCHITECTURES":
-        return {cls.architecture: name for name, cls in adapter_classes().items()}
+        return pipeline_architectures()
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
@@ -61,7 +66,7 @@ def architecture_of(path) -> str:
     from verl_diffusion.models.base import pipeline_class_name
 
     found = pipeline_class_name(path)
-    by_pipeline = {cls.architecture: name for name, cls in adapter_classes().items()}
+    by_pipeline = pipeline_architectures()
     if found not in by_pipeline:
         raise ValueError(f"model path {str(path)!r} holds a {found!r} pipeline; supported pipelines: "
                          f"{sorted(by_pipeline)}")
@@ -74,4 +79,4 @@ def adapter_for_path(path):
 
 
 __all__ = ["MODEL_ADAPTERS", "PIPELINE_ARCHITECTURES", "adapter_classes", "adapter_for_path", "architecture_modules",
-           "architecture_of", "get_adapter_cls"]
+           "architecture_of", "get_adapter_cls", "pipeline_architectures"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verl_diffusion.models import adapter_classes
+from verl_diffusion.models import adapter_classes, pipeline_architectures
 
 
 def rollout_pipeline_name(adapter_cls) -> str:
@@ -40,7 +40,7 @@ def latent_shape_of(model_path: str, height: int, width: int) -> tuple[int, int,
     if arch not in PIPELINE_CLASSES:
         raise ValueError(f"the vllm_omni replica has no pipeline for {arch!r} (model {model_path!r}); available: "
                          f"{sorted(PIPELINE_CLASSES)}")
-    adapter = next(cls for cls in adapter_classes().values() if cls.architecture == arch)
+    adapter = adapter_classes()[pipeline_architectures()[arch]]
     multiple, dims = adapter.latent_grid(_config(model_path, "transformer"), _config(model_path, "vae"), height, width)
     if height % multiple or width % multiple:
         raise ValueError(f"actor_rollout_ref.rollout.resolution {height}x{width} is not a multiple of {multiple}, "
