@@ -85,22 +85,21 @@ def measure(algo: str, args, race, prompts_meta: list, batch: int) -> dict:
     from verl_diffusion.models.sd3 import SD3Adapter
     from verl_diffusion.rewards import build_reward
     from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout
-    from verl_diffusion.rollout.settings import build_rollout_config
-    from verl_diffusion.workers.step_loss import make_step_loss, prepare_steps
-    from verl_diffusion.workers.worker import loss_knobs_for
+    from verl_diffusion.config.schema import ActorRolloutRefSection
+    from verl_diffusion.workers.step_loss import prepare_steps, step_loss_for
 
     ns = race.parse_args(["--model", args.model, "--algorithms", algo, "--seeds", "0"])
     cfg = race.build_config(ns, algo, "single", 0, tempfile.mkdtemp(prefix="snr_"))
-    arr = cfg.actor_rollout_ref
-    loss = make_step_loss(str(arr.actor.policy_loss.loss_mode), loss_knobs_for(arr))
-    rcfg = build_rollout_config(arr.rollout)
+    settings = ActorRolloutRefSection.from_node(cfg.actor_rollout_ref)
+    loss = step_loss_for(settings)
+    rcfg = settings.rollout.sampler
     adapter = SD3Adapter.from_pretrained(args.model)
     ref = SD3Adapter.from_pretrained(args.model) if loss.needs_reference() else None
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
     rollout = DiffusersRollout(adapter, rcfg)
     reward = build_reward({"shapes": 1.0})
     std_mode = str(OmegaConf.select(cfg, "algorithm.flow_grpo.std_mode", default="global") or "global")
-    n = int(arr.rollout.n)
+    n = settings.rollout.n
     rng = np.random.default_rng(1000 + batch)
     pick = rng.choice(len(prompts_meta), 16, replace=False)
     texts = [prompts_meta[i][0] for i in pick for _ in range(n)]

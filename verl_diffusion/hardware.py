@@ -56,17 +56,17 @@ def architecture_of_recipe(name: str):
 def estimate(name: str, cfg) -> "Estimate | None":
     """The estimate for recipe ``name`` composed as ``cfg`` (None for the CPU demo)."""
     from verl_diffusion.algos.windows import window_steps
-    from verl_diffusion.rollout.settings import branched_settings, build_rollout_config
+    from verl_diffusion.config.schema import RolloutSection
 
     arch = architecture_of_recipe(name)
     if arch is None:
         return None
     a = ARCHITECTURES[arch]
     arr = cfg.actor_rollout_ref
-    rollout = build_rollout_config(arr.rollout)
+    section = RolloutSection.from_node(arr.rollout)
+    rollout = section.sampler
     gpus = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
-    branched = branched_settings(arr.rollout)
-    rows = len(branched["branch_steps"]) * int(branched["num_children"]) if branched else int(arr.rollout.n)
+    rows = section.rows_per_prompt
     images = int(cfg.data.train_batch_size) * rows // gpus
     mode = str(arr.actor.policy_loss.loss_mode)
     if mode in ("awm", "diffusion_nft", "path_space"):

@@ -22,7 +22,7 @@ import os
 import sys
 
 
-from verl_diffusion.config_checks import (
+from verl_diffusion.run_setup import (
     ConfigError, build_reward_fn, plan_run_dir, prepare_config, resolve_path, validate_config)
 from verl_diffusion.launch import QUIET_ENV, quiet_environment, release_workers, select_platform, start_ray
 from verl_diffusion.recipe_index import add_search_path, recipe_lines, recipes_dir, searchpath_overrides
@@ -56,7 +56,7 @@ def run_flowgrpo(cfg, *, finalize: bool = True) -> dict:
 
 
 def _run_locked(cfg, run_dir: str, platform: str, finalize: bool) -> dict:
-    validate_config(cfg)
+    run_config = validate_config(cfg)
     plan = plan_run_dir(cfg, run_dir)
     if plan.action == "finished":
         return {"run_dir": run_dir, "finished": True, "message": plan.message, "history": []}
@@ -69,13 +69,13 @@ def _run_locked(cfg, run_dir: str, platform: str, finalize: bool) -> dict:
     except OSError as e:
         raise ConfigError(f"trainer.run_dir: cannot write {log_path}: {e.strerror or e}") from None
     with tee_output(log_path):
-        return _run_planned(cfg, run_dir, plan, platform, finalize)
+        return _run_planned(cfg, run_config, run_dir, plan, platform, finalize)
 
 
-def _run_planned(cfg, run_dir: str, plan, platform: str, finalize: bool) -> dict:
+def _run_planned(cfg, run_config, run_dir: str, plan, platform: str, finalize: bool) -> dict:
     """The part of :func:`run_flowgrpo` after the run directory is planned: reward, Ray, the trainer."""
     try:
-        reward_fn = build_reward_fn(cfg)
+        reward_fn = build_reward_fn(run_config)
     except ValueError as e:
         raise ConfigError(f"reward: {e}") from None
     resume = {"resume": f"resuming from {plan.resume.path}" if plan.resume else "",
@@ -85,9 +85,9 @@ def _run_planned(cfg, run_dir: str, plan, platform: str, finalize: bool) -> dict
     if plan.message and plan.action in ("resume", "validate"):
         print(f"WARNING: {plan.message}", flush=True)
     try:  # remote rewards answer before the first step (one line naming the URL otherwise)
-        from verl_diffusion.config_checks import preflight_remote_rewards
+        from verl_diffusion.run_setup import preflight_remote_rewards
 
-        preflight_remote_rewards(reward_fn, cfg.reward.get("preflight_timeout", None))
+        preflight_remote_rewards(reward_fn, run_config.reward.preflight_timeout)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -100,7 +100,8 @@ def _run_planned(cfg, run_dir: str, plan, platform: str, finalize: bool) -> dict
     own_ray = start_ray(cfg, platform)
     trainer = None
     try:
-        trainer = get_trainer_cls(str(cfg.trainer.v1.trainer_mode))(config=cfg, reward_fn=reward_fn, run_dir=run_dir)
+        trainer = get_trainer_cls(run_config.trainer.trainer_mode)(config=cfg, run_config=run_config,
+                                                                   reward_fn=reward_fn, run_dir=run_dir)
         trainer.resume_point = plan.resume if plan.resume is not None else ResumePoint(None, None)
         trainer.init()          # verl V1: _setup, then on_init_end (the first weight sync)
         history = trainer.fit()
@@ -182,7 +183,7 @@ def _main() -> None:
         print(f"platform error: {e}", file=sys.stderr)
         sys.exit(1)
     add_search_path(sys.argv)
-    from verl_diffusion.config_checks import replace_components_override
+    from verl_diffusion.run_setup import replace_components_override
 
     replace_components_override(sys.argv)
     _hydra_main()

@@ -51,7 +51,7 @@ def load_adapter(model: str, lora: Optional[str], *, device: str, dtype: str):
 def sample(args) -> dict:
     import torch
 
-    from verl_diffusion.config_checks import resolve_path
+    from verl_diffusion.run_setup import resolve_path
     from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, RolloutConfig
     from verl_diffusion.trainer.dataset import METADATA_KEYS, PromptDataset
     from verl_diffusion.trainer.validation import (

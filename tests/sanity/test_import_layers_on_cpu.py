@@ -2,12 +2,13 @@
 layers below. A new module gets a layer here; an import that climbs a layer or closes a cycle fails this test.
 
     0 algos                       the math, pure torch
-    1 shapes, models, distributed, process_log   the shapes world; one adapter per architecture; process set-up
-    2 rewards, data_process       rewards; prompt sets → parquet
+    1 shapes, models, distributed, process_log, prompt_files   the shapes world; one adapter per architecture;
+                                  process set-up; prompt files read into rows
+    2 rewards, data_process, config   rewards; prompt sets → parquet; the YAML and its typed schema (config/schema.py)
     3 rollout, export.writer/shards   samplers and replicas; writing a model diffusers loads
     4 workers                     the actor worker and its engine
     5 trainer                     verl's V1 trainers, run directory, validation
-    6 registry, plugin, hardware, config_checks   registration into verl; config checks and estimates
+    6 registry, plugin, hardware, run_setup   registration into verl; preparing and checking a run; estimates
     7 main_flowgrpo, sample, export (CLI), recipe_sources, check   entry points
 """
 
@@ -19,12 +20,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "verl_diffusion"
 
 LAYERS = [
-    ("algos", 0), ("shapes", 1), ("models", 1), ("distributed", 1), ("process_log", 1), ("notices", 1),
+    ("algos", 0), ("shapes", 1), ("models", 1), ("distributed", 1), ("process_log", 1), ("notices", 1), ("prompt_files", 1),
     ("rewards", 2), ("data_process", 2), ("data", 2), ("config", 2), ("assets", 2),
     ("rollout", 3), ("export.writer", 3), ("export.shards", 3),
     ("workers", 4),
     ("trainer", 5),
-    ("registry", 6), ("plugin", 6), ("hardware", 6), ("config_checks", 6), ("launch", 6), ("recipe_index", 6),
+    ("registry", 6), ("plugin", 6), ("hardware", 6), ("run_setup", 6), ("launch", 6), ("recipe_index", 6),
     ("main_flowgrpo", 7), ("sample", 7), ("export", 7), ("recipe_sources", 7), ("check", 7),
 ]
 

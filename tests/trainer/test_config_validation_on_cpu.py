@@ -148,13 +148,16 @@ def test_branched_config_defaults_and_a_valid_tempflow_setup(tmp_path, tiny_mode
     assert (br.enabled, br.num_children, br.branch_steps) == (False, 2, None)
     cfg = _cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", *_BRANCHED)
     _check(cfg)   # rollout.n=1 is not a group of one here: the groups are (prompt, k) × num_children
-    from verl_diffusion.workers.worker import branched_settings
+    from verl_diffusion.config.schema import RolloutSection
 
-    assert branched_settings(cfg.actor_rollout_ref.rollout) == {"num_children": 2, "branch_steps": [0, 1]}
-    assert branched_settings(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}").actor_rollout_ref.rollout) is None
+    def branched(c):
+        return RolloutSection.from_node(c.actor_rollout_ref.rollout).branched
+
+    assert dict(branched(cfg)) == {"num_children": 2, "branch_steps": [0, 1]}
+    assert branched(_cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}")) is None
     none = _cfg(tmp_path, f"actor_rollout_ref.model.path={tiny_model}", *_BRANCHED,
                 "actor_rollout_ref.rollout.branched.branch_steps=null")
-    assert branched_settings(none.actor_rollout_ref.rollout)["branch_steps"] == [0, 1, 2]
+    assert branched(none).branch_steps == [0, 1, 2]
 
 
 @pytest.mark.parametrize("override, pattern", [

@@ -12,8 +12,22 @@ from verl_diffusion.trainer.flowgrpo_trainer import RayFlowGRPOTrainer
 from verl_diffusion.trainer.metrics import reduce_worker_metrics, reward_metrics
 
 
+class _StubTrainer(RayFlowGRPOTrainer):
+    """The trainer without __init__: its typed rollout settings are re-read from the stub's DictConfig (on the YAML's
+    defaults) at each access, so a test may edit the config in between."""
+
+    @property
+    def run_config(self):
+        from types import SimpleNamespace
+
+        from verl_diffusion.config.schema import RolloutSection, yaml_section
+
+        node = OmegaConf.merge(yaml_section("actor_rollout_ref.rollout"), self.config.actor_rollout_ref.rollout)
+        return SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=RolloutSection.from_node(node)))
+
+
 def _trainer(epochs=1, mini=2, bs=2, n=4):
-    tr = object.__new__(RayFlowGRPOTrainer)
+    tr = object.__new__(_StubTrainer)
     tr.config = OmegaConf.create({
         "algorithm": {"adv_estimator": "flow_grpo", "norm_adv_by_std_in_grpo": True,
                       "flow_grpo": {"std_mode": "global", "adv_eps": 1e-4, "adv_clip_max": 5.0}},

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_module
 
-from verl_diffusion.config_checks import replace_components_override
+from verl_diffusion.run_setup import replace_components_override
 from verl_diffusion.main_flowgrpo import ConfigError, add_search_path, build_reward_fn, prepare_config, validate_config
 
 

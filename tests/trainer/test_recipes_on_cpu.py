@@ -248,16 +248,15 @@ def _overrides(name: str, assets, tmp_path, *, model=True, reward=True) -> list[
 def _pre_ray(cfg):
     """What run_flowgrpo does before ray.init, plus the configs the worker builds from the same keys."""
     from verl_diffusion.algos.windows import SdeWindowConfig, window_bounds
-    from verl_diffusion.workers.step_loss import make_step_loss
-    from verl_diffusion.workers.worker import build_rollout_config, loss_knobs_for
+    from verl_diffusion.workers.step_loss import step_loss_for
 
     prepare_config(cfg)
-    validate_config(cfg)
-    reward = build_reward_fn(cfg)
-    rollout = build_rollout_config(cfg.actor_rollout_ref.rollout)
+    run = validate_config(cfg)
+    reward = build_reward_fn(run)
+    rollout = run.actor_rollout_ref.rollout.sampler
     window = rollout.window if isinstance(rollout.window, SdeWindowConfig) else SdeWindowConfig(**rollout.window)
     window_bounds(window, num_steps=rollout.num_steps)  # the window fits the N sampling steps
-    loss = make_step_loss(cfg.actor_rollout_ref.actor.policy_loss.loss_mode, loss_knobs_for(cfg.actor_rollout_ref))
+    loss = step_loss_for(run.actor_rollout_ref)
     return reward, rollout, loss
 
 

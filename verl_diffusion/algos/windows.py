@@ -19,7 +19,7 @@ Presets: Flow-GRPO-Fast W = 2 in [0, N/2); CPS W = 3 in the first half; DPPO con
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -130,3 +130,15 @@ def window_steps(cfg: SdeWindowConfig, *, num_steps: int, iteration: int = 0,
         _check_num_steps(num_steps)
         return list(range((99 * num_steps) // 100))
     return stochastic_steps(cfg, num_steps=num_steps, iteration=iteration, generator=generator)
+
+
+def resolve_branch_steps(branch_steps: Optional[Sequence[int]], num_steps: int) -> list[int]:
+    """The sorted branch steps of a config (None = every k < N − 1); ValueError names bad entries."""
+    n = num_steps
+    if branch_steps is None:
+        return list(range(n - 1))
+    steps = [int(k) for k in branch_steps]
+    if not steps or len(set(steps)) != len(steps) or any(k < 0 or k > n - 2 for k in steps):
+        raise ValueError(f"branch_steps={list(branch_steps)!r} is invalid; pass distinct ints in [0, {n - 2}] "
+                         f"(k < N − 1, N = {n}), or None for all of them")
+    return sorted(steps)

@@ -35,6 +35,7 @@ import torch
 
 from verl_diffusion.algos.advantages import branched_step_advantages
 from verl_diffusion.algos.sde import sampler_coefficients, sde_step, step_mean
+from verl_diffusion.algos.windows import resolve_branch_steps
 from verl_diffusion.models.base import Conditioning
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, _sync
 
@@ -42,21 +43,6 @@ __all__ = ["BRANCHED_KEYS", "generate_branched", "branched_step_advantages", "re
 
 # Keys added to ROLLOUT_KEYS by generate_branched (all [B] long).
 BRANCHED_KEYS = ("group_ids", "prompt_ids", "branch_step")
-
-
-def resolve_branch_steps(branch_steps: Optional[Sequence[int]], num_steps: int) -> list[int]:
-    """The sorted branch steps of a config (None = every k < N − 1); ValueError names bad entries."""
-    return _check_branch_steps(branch_steps, num_steps)
-
-
-def _check_branch_steps(branch_steps: Optional[Sequence[int]], n: int) -> list[int]:
-    if branch_steps is None:
-        return list(range(n - 1))
-    steps = [int(k) for k in branch_steps]
-    if not steps or len(set(steps)) != len(steps) or any(k < 0 or k > n - 2 for k in steps):
-        raise ValueError(f"branch_steps={list(branch_steps)!r} is invalid; pass distinct ints in [0, {n - 2}] "
-                         f"(k < N − 1, N = {n}), or None for all of them")
-    return sorted(steps)
 
 
 def _ode_segment(rollout: DiffusersRollout, cond: Conditioning, x: torch.Tensor, sigmas: torch.Tensor,
@@ -107,7 +93,7 @@ def generate_branched(rollout: DiffusersRollout, prompts: Sequence[str], *, seed
     n_prompts, n, kb = len(prompts), cfg.num_steps, num_children
     if n_prompts == 0:
         raise ValueError("generate_branched got no prompts")
-    steps = _check_branch_steps(branch_steps, n)
+    steps = resolve_branch_steps(branch_steps, n)
     n_branch = len(steps)
     device = rollout.device
     _sync(device)

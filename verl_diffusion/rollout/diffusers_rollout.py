@@ -14,75 +14,24 @@ micro-batch size or the device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from verl_diffusion.algos.checks import check_choice
-from verl_diffusion.algos.sde import (LOG_PROB_CONVENTIONS, SAMPLERS, StepCoefficients, make_grid,
+from verl_diffusion.algos.sde import (StepCoefficients, make_grid,
                                       sampler_coefficients, sde_step, step_mean)
-from verl_diffusion.algos.windows import SdeWindowConfig, stochastic_steps, window_steps
+from verl_diffusion.algos.windows import stochastic_steps, window_steps
+from verl_diffusion.config.schema import GRIDS, RolloutConfig  # noqa: F401  (the sampler's config, re-exported)
 from verl_diffusion.models.base import Conditioning
 
 __all__ = ["RolloutConfig", "DiffusersRollout", "RolloutPlan", "plan_rollout", "trajectory_coefficients",
            "ROLLOUT_KEYS", "GRIDS"]
 
-# rollout.grid choices (docs/algorithms.md §1.1).
-GRIDS = ("scheduler", "formula")
-
 # Keys of generate()'s output (docs/data_flow.md); ``old_velocities`` only with store_velocities, the
 # ``negative_*`` embeddings only with CFG (guidance_scale != 1).
 ROLLOUT_KEYS = ("all_latents", "sigmas", "train_mask", "rollout_log_probs", "sde_cx", "sde_cv", "sde_std",
                 "prompt_embeds", "pooled_prompt_embeds", "images")
-
-
-@dataclass
-class RolloutConfig:
-    """Sampling knobs of the diffusers rollout (docs/algorithms.md §1)."""
-
-    # Sampling steps N of a training rollout.
-    num_steps: int = 10
-    # Sampling grid (docs/algorithms.md §1.1): "scheduler" = the model's own scheduler sigmas at this N and image size
-    # (adapter.sampling_grid: static or dynamic shift, what the stock pipeline samples with); "formula" =
-    # t_k = S·u_k / (1 + (S−1)·u_k) with ``shift`` (the model-free default of tests and tiny models).
-    grid: str = "formula"
-    # Grid shift S of the formula grid (docs/algorithms.md §1.1; SD3/SD3.5: 3). Unused with grid "scheduler".
-    shift: float = 3.0
-    # Stochastic sampler inside the window: flow_sde | cps | dance | ode.
-    sampler: str = "flow_sde"
-    # a (flow_sde, cps) or η_D (dance).
-    noise_level: float = 0.7
-    # Which steps are stochastic and trained (docs/algorithms.md §1.8).
-    window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
-    # Log-prob convention stored in rollout_log_probs: exact | unnormalized (docs/algorithms.md §1.2, §1.4).
-    log_prob_convention: str = "exact"
-    # One initial noise per group instead of per sample (docs/algorithms.md §1.8).
-    same_noise_per_group: bool = False
-    # CFG scale; 1 disables CFG (the trained velocity is then the conditional one).
-    guidance_scale: float = 1.0
-    # The negative prompt of CFG (Qwen-Image's examples and verl PR #5951 use " ").
-    negative_prompt: str = ""
-    # Image size in pixels.
-    height: int = 512
-    width: int = 512
-    # Samples per transformer forward.
-    micro_batch_size: int = 8
-    # Store v_old at the trained steps (old_velocities) for losses that read it.
-    store_velocities: bool = False
-    # Steps of the ODE validation sampler (docs/algorithms.md §1.6: 40 for SD3.5).
-    val_num_steps: int = 40
-
-    def __post_init__(self):
-        check_choice("rollout.sde.type", self.sampler, SAMPLERS)
-        check_choice("rollout.grid", self.grid, GRIDS)
-        check_choice("rollout.log_prob_convention", self.log_prob_convention, LOG_PROB_CONVENTIONS)
-        for name in ("num_steps", "micro_batch_size", "val_num_steps", "height", "width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"rollout.{name}={value!r} is invalid; pass an int >= 1")
-        if isinstance(self.window, dict):
-            self.window = SdeWindowConfig(**self.window)
 
 
 def _as_group_ids(group_ids) -> torch.Tensor:

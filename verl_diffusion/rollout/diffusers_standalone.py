@@ -37,52 +37,8 @@ __all__ = ["PLACEMENTS", "StandaloneDiffusersAdapter", "DiffusersStandaloneWorke
            "StandaloneServer", "placement", "num_standalone_replicas", "check_placement", "resolve_standalone_config",
            "launch_standalone_replicas"]
 
-# actor_rollout_ref.rollout.placement: where the diffusers sampler runs.
-PLACEMENTS = ("colocated", "standalone")
-
-
-def placement(rollout_cfg) -> str:
-    """``rollout.placement`` (default colocated), checked."""
-    value = str(rollout_cfg.get("placement", "colocated") or "colocated")
-    if value not in PLACEMENTS:
-        raise ValueError(f"actor_rollout_ref.rollout.placement={value!r} is unknown; choose one of {list(PLACEMENTS)}")
-    return value
-
-
-def num_standalone_replicas(rollout_cfg) -> int:
-    """``rollout.standalone.num_replicas`` (default 1): standalone replica processes, one device each."""
-    node = rollout_cfg.get("standalone", None) or {}
-    n = node.get("num_replicas", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"actor_rollout_ref.rollout.standalone.num_replicas={n!r} must be an int >= 1")
-    return n
-
-
-def check_placement(arr_cfg, *, asynchronous: bool = False) -> str:
-    """``rollout.placement`` and what it needs, checked before Ray starts; returns the placement. ``asynchronous``:
-    the trainer samples ahead (diffusion_async), which only a standalone replica can do."""
-    rollout = arr_cfg.rollout
-    where = placement(rollout)
-    if asynchronous and where != "standalone":
-        raise ValueError(f"trainer.v1.trainer_mode=diffusion_async samples the next batch while the actor trains; "
-                         f"it needs actor_rollout_ref.rollout.placement=standalone (got {where!r})")
-    if where != "standalone":
-        return where
-    num_standalone_replicas(rollout)
-    name = str(rollout.get("name", "diffusers"))
-    if name != "diffusers":
-        raise ValueError(f"actor_rollout_ref.rollout.placement=standalone is the diffusers sampler's; "
-                         f"rollout.name={name!r} is not supported there (use name=diffusers)")
-    old = arr_cfg.actor.get("old_policy", None) or {}
-    if str(old.get("schedule", "none")) != "none" and bool(old.get("use_for_rollout", True)):
-        raise ValueError("actor_rollout_ref.actor.old_policy.use_for_rollout=true samples with θ_old, which lives in "
-                         "the actor workers; a standalone replica receives θ only. Set use_for_rollout=false or "
-                         "rollout.placement=colocated")
-    if bool((arr_cfg.actor.get("ema", None) or {}).get("enable", False)):
-        raise ValueError("actor_rollout_ref.actor.ema.enable=true validates with the EMA weights, which live in the "
-                         "actor workers; a standalone replica receives θ only. Set ema.enable=false or "
-                         "rollout.placement=colocated")
-    return where
+from verl_diffusion.config.schema import (  # noqa: E402,F401  (the placement checks, re-exported)
+    PLACEMENTS, check_placement, num_standalone_replicas, placement)
 
 
 def resolve_standalone_config(arr_cfg) -> Optional[str]:
@@ -119,25 +75,26 @@ class StandaloneDiffusersAdapter:
         from verl_diffusion.algos.losses import get_loss_spec
         from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout
         from verl_diffusion.models.lora import inject_lora
-        from verl_diffusion.rollout.settings import (adapter_kwargs, build_rollout_config, lora_settings,
-                                                     model_adapter_cls, torch_dtype)
+        from verl_diffusion.config.schema import ModelSection, RolloutSection
 
         self.config = config
         self.model_config = model_config
         self.device_mesh = device_mesh
         self.replica_rank = int(replica_rank)
-        dtype = torch_dtype(str(model_config.get("dtype", "fp32")))
-        self.adapter = model_adapter_cls(model_config).from_pretrained(
-            model_config.path, dtype=dtype, device=get_device_name(), **adapter_kwargs(model_config))
+        # verl hands a replica its config nodes; they are typed here once, as the driver typed them.
+        self.settings = RolloutSection.from_node(config)
+        model = ModelSection.from_node(model_config)
+        self.adapter = model.adapter_cls.from_pretrained(model.path, dtype=model.torch_dtype, device=get_device_name(),
+                                                         **model.adapter_kwargs)
         module = self.adapter.transformer
-        self.lora = int(model_config.get("lora_rank", 0) or 0) > 0
+        self.lora = model.lora.lora_rank > 0
         if self.lora:
             # The actor's LoRA layers (same targets, rank, alpha, names); their values arrive with the first sync.
-            inject_lora(module, lora_settings(model_config))
+            inject_lora(module, model.lora)
         module.requires_grad_(False)
         module.eval()
         self.module = module
-        self.rollout = DiffusersRollout(self.adapter, build_rollout_config(config))
+        self.rollout = DiffusersRollout(self.adapter, self.settings.sampler)
         self.store_velocities = bool({"old_velocity", "old_mean"} & set(get_loss_spec(loss_mode).batch_keys))
         # Weights version (trainer global step) of the last update_weights; -1 = the model path's own weights.
         self.global_steps = -1
@@ -181,12 +138,11 @@ class StandaloneDiffusersAdapter:
             images = self.rollout.generate_ode(texts, seeds=seeds, num_steps=meta.get("num_steps", None))
             return DataProto.from_dict(tensors={"images": images}, meta_info=self._meta({}))
         from verl_diffusion.models.base import pad_text_rows as _pad_text
-        from verl_diffusion.rollout.settings import branched_settings
 
         uids = prompts.non_tensor_batch["uid"]
         _, group_ids = np.unique(np.asarray(uids).astype(str), return_inverse=True)
         seed = int(meta.get("seed", 0)) * 1000 + self.replica_rank
-        branched = branched_settings(self.config)
+        branched = self.settings.branched
         start = time.perf_counter()
         if branched is None:
             out = self.rollout.generate(texts, torch.as_tensor(group_ids, dtype=torch.long), seed=seed,
@@ -195,8 +151,8 @@ class StandaloneDiffusersAdapter:
         else:
             from verl_diffusion.rollout.branched import generate_branched
 
-            out = generate_branched(self.rollout, texts, seed=seed, branch_steps=branched["branch_steps"],
-                                    num_children=branched["num_children"], store_velocities=self.store_velocities)
+            out = generate_branched(self.rollout, texts, seed=seed, branch_steps=branched.branch_steps,
+                                    num_children=branched.num_children, store_velocities=self.store_velocities)
         metrics = dict(self.rollout.metrics)
         metrics["perf/rollout_time"] = time.perf_counter() - start
         _pad_text(out, int(getattr(self.adapter, "max_sequence_length", 0) or 0))

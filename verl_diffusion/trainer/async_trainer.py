@@ -99,10 +99,11 @@ class LookaheadLoader:
 class RayFlowGRPOAsyncTrainer(RayFlowGRPOTrainer):
     """One-step-stale asynchronous trainer over standalone diffusers replicas (module docstring)."""
 
-    def _setup(self):
-        from verl_diffusion.rollout.diffusers_standalone import placement
+    # The config check reads it (config/schema.py): sampling ahead needs a standalone replica.
+    samples_ahead = True
 
-        if placement(self.config.actor_rollout_ref.rollout) != "standalone":
+    def _setup(self):
+        if self.run_config.actor_rollout_ref.rollout.placement != "standalone":
             raise ValueError("trainer.v1.trainer_mode=diffusion_async samples the next batch while the actor trains: "
                              "set actor_rollout_ref.rollout.placement=standalone (a colocated sampler shares the "
                              "actor's process and weights)")

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from verl import DataProto
 
+from verl_diffusion.config.schema import BranchedSettings
 from verl_diffusion.trainer.metrics import advantage_summary
 
 
@@ -32,24 +33,19 @@ def branched_advantages(rewards: torch.Tensor, prompt_ids: torch.Tensor, branch_
 class BranchedMixin:
     """Rows per prompt and the branched batch's uids and advantages; plain rollouts when the branched rollout is off."""
 
-    def _branched(self) -> Optional[dict]:
-        """{num_children, branch_steps} of the TempFlow branched rollout when enabled, else None."""
-        from verl_diffusion.workers.worker import branched_settings
-
-        return branched_settings(self.config.actor_rollout_ref.rollout)
+    def _branched(self) -> Optional[BranchedSettings]:
+        """The TempFlow branched rollout's settings (children, branch steps) when enabled, else None."""
+        return self.run_config.actor_rollout_ref.rollout.branched
 
     def _rows_per_prompt(self) -> int:
         """Rows of a step per prompt: rollout.n, or |branch steps| × num_children for a branched rollout."""
-        br = self._branched()
-        if br is not None:
-            return len(br["branch_steps"]) * int(br["num_children"])
-        return int(self.config.actor_rollout_ref.rollout.n)
+        return self.run_config.actor_rollout_ref.rollout.rows_per_prompt
 
     def _expand_branched(self, gen: DataProto, out_batch, step: int) -> dict:
         """Per-row non-tensor data of a branched batch (rows prompt-major, then k, then child, also across workers:
         each worker gets a contiguous block of prompts); uid per (prompt, k); global prompt_ids and group_ids."""
         rpp = self._rows_per_prompt()
-        kb = int(self._branched()["num_children"])
+        kb = self._branched().num_children
         rows = {k: np.repeat(v, rpp, axis=0) for k, v in gen.non_tensor_batch.items()}
         n_prompts = len(gen)
         prompt_ids = torch.arange(n_prompts).repeat_interleave(rpp)

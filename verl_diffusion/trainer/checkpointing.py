@@ -134,12 +134,10 @@ class CheckpointingMixin:
         """What a checkpoint (``model_info.json``) and an exported model (``export_info.json``) say about the
         weights: the base model, the LoRA settings, the algorithm and reward, the latest validation, and the
         sampling settings of the validation (what ``python -m verl_diffusion.sample`` reuses)."""
-        from verl_diffusion.rollout.settings import lora_settings
-
         a = self.config.actor_rollout_ref
         lora = None
         if self.worker_info.get("lora"):
-            ls = lora_settings(a.model)
+            ls = self.run_config.actor_rollout_ref.model.lora
             targets = ls.target_modules
             lora = {"rank": int(ls.lora_rank), "alpha": float(ls.lora_alpha),
                     "target_modules": targets if isinstance(targets, str) else [str(t) for t in targets]}

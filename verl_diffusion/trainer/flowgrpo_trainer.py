@@ -34,6 +34,7 @@ from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from verl_diffusion.config.schema import RunConfig
 from verl_diffusion.trainer import signals
 from verl_diffusion.trainer.artifacts import ValidationMixin, row_metadata
 from verl_diffusion.trainer.branched import BranchedMixin
@@ -44,7 +45,7 @@ from verl_diffusion.trainer.dataset import build_dataloaders
 from verl_diffusion.trainer.generation import GenerationMixin
 from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
 from verl_diffusion.trainer.resources import make_resource_pool_manager
-from verl_diffusion.trainer.reward_health import NoSignalMonitor, RewardBudgetExceeded, RewardFailureBudget, RewardHealth
+from verl_diffusion.trainer.reward_health import NoSignalMonitor, RewardBudgetExceeded, RewardHealth
 from verl_diffusion.trainer.run_dir import METRICS_NAME, WORKER_LOG_DIR, MetricsLog, write_run_state
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.train_masks import TrainMaskMixin
@@ -59,15 +60,20 @@ class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, B
     """Flow-GRPO family trainer on verl's V1 sync trainer: one actor worker group, one colocated ``diffusers``
     rollout replica per worker (module docstring: what is verl's and what is replaced).
 
-    Args: config: the composed run config (``flowgrpo_trainer.yaml`` on verl's ``ppo_trainer``). reward_fn: the
+    Args: config: the composed run config (``flowgrpo_trainer.yaml`` on verl's ``ppo_trainer``), which verl's parts
+    read. run_config: the same config typed (``config.schema.RunConfig``), which ours read; built from ``config``
+    when not given. reward_fn: the
     driver-side reward (``rewards.build_reward``), ``(images, prompts, metadata) -> RewardResult``. run_dir: where
     metrics, validation images and run state go. progress: print the workers / step / validation lines.
     worker_cls: the actor+rollout worker class (default ``DiffusionActorRolloutRefWorker``).
     ``init()`` (verl's) builds the workers and replicas and syncs the weights; ``fit()`` trains.
     """
 
+    samples_ahead = False   # the next batch is sampled after this one's update (async_trainer.py samples ahead)
+
     def __init__(self, config, reward_fn, run_dir: Optional[str] = None, progress: bool = True,
-                 worker_cls=None):
+                 worker_cls=None, run_config: Optional[RunConfig] = None):
+        self._run_config = run_config
         self.reward_fn = reward_fn
         self.run_dir = run_dir or os.getcwd()
         self.progress = progress
@@ -77,8 +83,7 @@ class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, B
         self.val_images: dict[int, torch.Tensor] = {}
         self.metrics_log = MetricsLog(os.path.join(self.run_dir, METRICS_NAME))
         self.resume_point: Optional[ResumePoint] = None   # set by main_flowgrpo's run plan; else found at load
-        self.reward_health = RewardHealth(RewardFailureBudget.from_dict(
-            config.trainer.get("reward_failure_budget", None)))
+        self.reward_health: Optional[RewardHealth] = None    # at _setup, from the typed trainer section
         self.no_signal = NoSignalMonitor()
         self._saved_step: Optional[int] = None
         self._exported_step: Optional[int] = None
@@ -88,6 +93,13 @@ class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, B
         self.curr_step_profile = False
         self.timing_raw: dict = {}
         PPOTrainer.__init__(self, config)
+
+    @property
+    def run_config(self) -> RunConfig:
+        """The typed config (config/schema.py) main_flowgrpo built, or typed here from ``config`` on first use."""
+        if self._run_config is None:
+            self._run_config = RunConfig.from_omegaconf(self.config)
+        return self._run_config
 
     def _build_replay_buffer(self):
         """None: the sync step trains the batch it just sampled, whose trajectories stay in the workers (module
@@ -135,6 +147,7 @@ class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, B
 
         # rollout.placement=standalone: the sampler in replicas of its own, weights through a real backend.
         standalone_backend = resolve_standalone_config(self.config.actor_rollout_ref)
+        self.reward_health = RewardHealth(self.run_config.trainer.reward_failure_budget)
         self._init_tokenizer()
         self._init_dataloader()
         self._init_dump_executor()
@@ -142,7 +155,8 @@ class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, B
         self.resource_pool_manager.create_resource_pool()
         pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
         cls = RayClassWithInitArgs(cls=self.role_worker_mapping[Role.ActorRollout],
-                                   config=self.config.actor_rollout_ref, role="actor_rollout",
+                                   config=self.config.actor_rollout_ref, settings=self.run_config.actor_rollout_ref,
+                                   role="actor_rollout",
                                    log_dir=os.path.join(self.run_dir, WORKER_LOG_DIR))
         self.device_name = str(self.config.trainer.device)
         self.actor_rollout_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name=self.device_name)

@@ -18,34 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from verl_diffusion.config.schema import RewardFailureBudget  # noqa: F401  (trainer.reward_failure_budget)
+
 REWARD_FAILURE_EXIT = 3
-
-
-@dataclass
-class RewardFailureBudget:
-    """``trainer.reward_failure_budget``: stop after ``max_consecutive_steps`` consecutive steps in which some
-    reward failed on more than ``max_fraction`` of the samples. ``max_consecutive_steps`` null or 0: never stop."""
-
-    max_fraction: float = 0.5
-    max_consecutive_steps: Optional[int] = 10
-
-    @classmethod
-    def from_dict(cls, d: Optional[Mapping]) -> "RewardFailureBudget":
-        d = dict(d or {})
-        unknown = set(d) - {"max_fraction", "max_consecutive_steps"}
-        if unknown:
-            raise ValueError(f"trainer.reward_failure_budget: unknown keys {sorted(unknown)}; "
-                             "accepted: max_fraction, max_consecutive_steps")
-        frac = float(d.get("max_fraction", 0.5))
-        if not 0.0 <= frac < 1.0:
-            raise ValueError(f"trainer.reward_failure_budget.max_fraction={frac} must be in [0, 1) "
-                             "(0.5: more than half the samples failed)")
-        steps = d.get("max_consecutive_steps", 10)
-        steps = None if steps in (None, 0) else int(steps)
-        if steps is not None and steps < 0:
-            raise ValueError(f"trainer.reward_failure_budget.max_consecutive_steps={steps} must be >= 0 "
-                             "(0 or null: never stop)")
-        return cls(max_fraction=frac, max_consecutive_steps=steps)
 
 
 class RewardBudgetExceeded(RuntimeError):

@@ -19,79 +19,12 @@ Pure torch; no verl.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 
-from verl_diffusion.algos.ema import NFT_SCHEDULE_TYPES, awm_kl_ema_decay, nft_old_policy_decay, soft_update_
-
-OLD_POLICY_SCHEDULES = ("none", "nft", "awm_linear", "awm_constant", "constant")
-
-
-@dataclass(frozen=True)
-class OldPolicyConfig:
-    """``actor_rollout_ref.actor.old_policy``."""
-
-    # none | nft | awm_linear | awm_constant | constant.
-    schedule: str = "none"
-    # DiffusionNFT schedule type (docs/algorithms.md §8.2): 0 | 1 (default) | 2 (OCR).
-    nft_type: int = 1
-    # d_max of the AWM schedules (README 0.3).
-    decay_max: float = 0.3
-    # d of the ``constant`` schedule.
-    decay: Optional[float] = None
-    # Sample the training rollouts with θ_old (DiffusionNFT's sampling adapter; AWM off_policy's KL-EMA adapter).
-    use_for_rollout: bool = True
-
-    def __post_init__(self):
-        if self.schedule not in OLD_POLICY_SCHEDULES:
-            raise ValueError(f"actor.old_policy.schedule={self.schedule!r} is unknown; choose one of "
-                             f"{list(OLD_POLICY_SCHEDULES)}")
-        if isinstance(self.nft_type, bool) or self.nft_type not in NFT_SCHEDULE_TYPES:
-            raise ValueError(f"actor.old_policy.nft_type={self.nft_type!r} is invalid; choose one of "
-                             f"{list(NFT_SCHEDULE_TYPES)}")
-        if not 0.0 <= float(self.decay_max) <= 1.0:
-            raise ValueError(f"actor.old_policy.decay_max={self.decay_max!r} must be in [0, 1]")
-        if self.schedule == "constant" and (self.decay is None or not 0.0 <= float(self.decay) <= 1.0):
-            raise ValueError(f"actor.old_policy.schedule=constant needs decay in [0, 1] (got {self.decay!r})")
-
-    @property
-    def enabled(self) -> bool:
-        return self.schedule != "none"
-
-    @classmethod
-    def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "OldPolicyConfig":
-        d = dict(d or {})
-        known = {"schedule", "nft_type", "decay_max", "decay", "use_for_rollout"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"actor.old_policy has unknown keys {unknown}; accepted: {sorted(known)}")
-        kw: dict[str, Any] = {}
-        if d.get("schedule") is not None:
-            kw["schedule"] = str(d["schedule"])
-        if d.get("nft_type") is not None:
-            kw["nft_type"] = int(d["nft_type"])
-        if d.get("decay_max") is not None:
-            kw["decay_max"] = float(d["decay_max"])
-        if d.get("decay") is not None:
-            kw["decay"] = float(d["decay"])
-        if d.get("use_for_rollout") is not None:
-            kw["use_for_rollout"] = bool(d["use_for_rollout"])
-        return cls(**kw)
-
-    def decay_at(self, n: int) -> float:
-        """d after n optimizer steps (docs/algorithms.md §8.2)."""
-        if self.schedule == "nft":
-            return nft_old_policy_decay(self.nft_type, n)
-        if self.schedule == "awm_linear":
-            return awm_kl_ema_decay("linear", n, decay_max=self.decay_max)
-        if self.schedule == "awm_constant":
-            return awm_kl_ema_decay("constant", n, decay_max=self.decay_max)
-        if self.schedule == "constant":
-            return float(self.decay)
-        raise ValueError("schedule none keeps no θ_old copy")
-
+from verl_diffusion.algos.ema import soft_update_
+from verl_diffusion.config.schema import OLD_POLICY_SCHEDULES, OldPolicyConfig  # noqa: F401  (re-exported)
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 DTensor parameter (shares its storage), else the tensor itself."""

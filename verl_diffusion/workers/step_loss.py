@@ -91,6 +91,13 @@ def make_step_loss(loss_mode: str, knobs: Optional[Mapping[str, Any]] = None, *,
     return DiffusionStepLoss(spec, spec.config(**knobs), log_prob_convention=log_prob_convention)
 
 
+def step_loss_for(settings) -> DiffusionStepLoss:
+    """The step loss of a typed ``actor_rollout_ref`` (config/schema.py ``ActorRolloutRefSection``): its loss config
+    dataclass, built and checked with the config, and the rollout's log-prob convention."""
+    return DiffusionStepLoss(get_loss_spec(settings.actor.loss_mode), settings.actor.loss,
+                             log_prob_convention=settings.rollout.sampler.log_prob_convention)
+
+
 def _col(rows: Mapping[str, torch.Tensor], key: str, k: int) -> Optional[torch.Tensor]:
     val = rows.get(key, None) if hasattr(rows, "get") else None
     return None if val is None else val[:, k]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -29,10 +29,9 @@ from verl.utils.device import get_device_id, get_device_name
 
 from verl_diffusion.distributed import init_cpu_process_group
 from verl_diffusion.models.base import pad_text_rows as _pad_text
-from verl_diffusion.rollout.settings import (  # noqa: F401  (re-exported: the translators' old home)
-    _plain, adapter_kwargs, branched_settings, build_rollout_config, lora_settings, model_adapter_cls, torch_dtype)
+from verl_diffusion.config.schema import ActorRolloutRefSection, ModelSection
 from verl_diffusion.workers.resharding import reshard as _reshard, resharded_swap as _resharded_swap
-from verl_diffusion.workers.step_loss import DiffusionStepLoss, make_step_loss, prepare_steps
+from verl_diffusion.workers.step_loss import DiffusionStepLoss, prepare_steps, step_loss_for
 from verl_diffusion.workers.weight_sync import WeightSyncSender
 
 # Rollout keys that travel to the engine (images and strings stay behind).
@@ -56,52 +55,34 @@ def _negative_cond(rows):
     return Conditioning.from_dict({k[len("negative_"):]: rows[k] for k in rows.keys() if k.startswith("negative_")})
 
 
-def loss_knobs(policy_loss: Any) -> dict:
-    """``actor.policy_loss`` minus verl's own keys: the knobs of our loss config dataclass."""
-    d = dict(_plain(policy_loss) or {})
-    for k in ("_target_", "loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-              "ppo_kl_coef", "rollout_correction"):
-        d.pop(k, None)
-    return d
-
-
-def loss_knobs_for(arr_config) -> dict:
-    """Loss knobs of ``actor.policy_loss``, plus ``sampler`` = ``rollout.sde.type`` when the loss config has that
-    field and the user did not set it (the KL formula of flow_grpo_legacy depends on the sampler)."""
-    import dataclasses
-
-    from verl_diffusion.algos.losses import get_loss_spec
-
-    knobs = loss_knobs(arr_config.actor.policy_loss)
-    spec = get_loss_spec(arr_config.actor.policy_loss.loss_mode)
-    if "sampler" in {f.name for f in dataclasses.fields(spec.config)} and "sampler" not in knobs:
-        knobs["sampler"] = str((arr_config.rollout.get("sde", {}) or {}).get("type", "flow_sde"))
-    return knobs
-
-
-def diffusion_model_config(m, *, lora: bool):
-    """The engine's DiffusionModelConfig from ``actor_rollout_ref.model`` (LoRA settings: rollout/settings.py)."""
+def diffusion_model_config(m: ModelSection, *, lora: bool):
+    """The engine's DiffusionModelConfig from the typed ``actor_rollout_ref.model`` (no LoRA layers with lora False:
+    the frozen reference)."""
     from verl_diffusion.workers.engine import DiffusionModelConfig
 
-    ls = lora_settings(m)
+    ls = m.lora
     return DiffusionModelConfig(
-        path=str(m.path), transformer_subfolder=str(m.get("transformer_subfolder", "transformer")),
+        path=m.path, transformer_subfolder=m.transformer_subfolder,
         lora_rank=ls.lora_rank if lora else 0, lora_alpha=ls.lora_alpha, target_modules=ls.target_modules,
         init_lora_weights=ls.init_lora_weights, lora_adapter_path=ls.lora_adapter_path,
-        enable_gradient_checkpointing=bool(m.get("enable_gradient_checkpointing", False)))
+        enable_gradient_checkpointing=m.enable_gradient_checkpointing)
 
 
 class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
     """Actor (verl TrainingWorker + our engine) + in-process diffusers rollout (+ frozen reference)."""
 
-    def __init__(self, config: DictConfig, role: str = "actor_rollout", log_dir: Optional[str] = None):
+    def __init__(self, config: DictConfig, role: str = "actor_rollout", log_dir: Optional[str] = None,
+                 settings: Optional[ActorRolloutRefSection] = None):
         if log_dir:   # this worker's output into the run directory (logs/worker_<rank>.log), not the console
             from verl_diffusion.process_log import redirect_process_output
 
             redirect_process_output(os.path.join(log_dir, f"worker_{os.environ.get('RANK', '0')}.log"))
         init_cpu_process_group()
         Worker.__init__(self)
+        # verl's engine, optimizer and checkpoint configs are built from the DictConfig; our own settings are the
+        # typed section the driver built (or, for a worker built alone, typed here from the same node).
         self.config = config
+        self.settings = settings if settings is not None else ActorRolloutRefSection.from_node(config)
         self.role = role
         self.actor = None
         self.ref = None
@@ -136,7 +117,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
                                     engine_config=engine_config, optimizer_config=optim, checkpoint_config=ckpt)
 
     def _model_config(self, *, lora: bool):
-        return diffusion_model_config(self.config.model, lora=lora)
+        return diffusion_model_config(self.settings.model, lora=lora)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -147,10 +128,8 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         from verl_diffusion.workers.platform_cpu import skip_gpu_numa_affinity
 
         torch.manual_seed(int(self.config.actor.fsdp_config.get("seed", 42)))
-        actor_cfg = self.config.actor
-        self.step_loss = make_step_loss(
-            actor_cfg.policy_loss.loss_mode, loss_knobs_for(self.config),
-            log_prob_convention=str(self.config.rollout.get("sde", {}).get("log_prob_convention", "exact")))
+        s = self.settings
+        self.step_loss = step_loss_for(s)
 
         skip_gpu_numa_affinity()  # CPU platform: no GPU to pin CPUs to (and no libnuma line per worker)
         # 1. actor: verl's TrainingWorker around our engine (model_type diffusion_model).
@@ -161,14 +140,13 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         engine = self.actor.engine
 
         # 2. rollout: the model adapter (VAE, text encoders) whose transformer is the actor's FSDP module.
-        dtype = torch_dtype(str(self.config.model.get("dtype", "fp32")))
-        self.adapter = model_adapter_cls(self.config.model).from_pretrained(
-            self.config.model.path, dtype=dtype, device=get_device_name(), **adapter_kwargs(self.config.model))
+        self.adapter = s.model.adapter_cls.from_pretrained(s.model.path, dtype=s.model.torch_dtype,
+                                                           device=get_device_name(), **s.model.adapter_kwargs)
         self.adapter.transformer = engine.module
         # Drop the pipeline's own transformer copy (the engine built the trained one): one copy per process.
         self.adapter.pipe.transformer = engine.module
         adapter = self.adapter
-        rollout_cfg = build_rollout_config(self.config.rollout)
+        rollout_cfg = s.rollout.sampler
         guidance = float(rollout_cfg.guidance_scale)
 
         def velocity_factory(module):
@@ -185,7 +163,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         # replica r is worker r, so the driver-side replica server reaches it by this worker's rank.
         from verl.workers.rollout.base import _ROLLOUT_REGISTRY, get_rollout_class
 
-        name = str(self.config.rollout.get("name", "diffusers"))
+        name = s.rollout.name
         self.rollout_adapter = get_rollout_class(name, "async")(
             config=self.config.rollout, model_config=self.config.model, replica_rank=self.rank,
             generate_fn=self._serve_rollout, module=engine.module)
@@ -209,17 +187,15 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
             engine.ref_velocity_fn = ref_velocity
 
         # 4. evaluation EMA of the trainable parameters (saved with checkpoints).
-        ema_cfg = self.config.actor.get("ema", {}) or {}
-        if ema_cfg.get("enable", False):
+        if s.actor.ema.enable:
             from verl_diffusion.algos.ema import ParamEMA
 
             self.ema = ParamEMA([p for p in engine.module.parameters() if p.requires_grad],
-                                decay_max=float(ema_cfg.get("decay_max", 0.9)),
-                                interval=int(ema_cfg.get("interval", 8)))
+                                decay_max=s.actor.ema.decay_max, interval=s.actor.ema.interval)
         # 5. soft old-policy copy θ_old of the trainable parameters (docs/algorithms.md §8.2), saved with checkpoints.
-        from verl_diffusion.workers.old_policy import OldPolicy, OldPolicyConfig
+        from verl_diffusion.workers.old_policy import OldPolicy
 
-        old_cfg = OldPolicyConfig.from_dict(_plain(self.config.actor.get("old_policy", None)))
+        old_cfg = s.actor.old_policy
         if old_cfg.enabled:
             self.old_policy = OldPolicy([p for p in engine.module.parameters() if p.requires_grad], old_cfg)
 
@@ -288,7 +264,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         seed = int(meta.get("seed", 0)) * 1000 + self.rank
         store = bool({"old_velocity", "old_mean"} & set(self.step_loss.spec.batch_keys))
         engine = self.actor.engine
-        branched = branched_settings(self.config.rollout)
+        branched = self.settings.rollout.branched
         start = time.perf_counter()
         with engine.eval_mode(), self._old_policy_swap(rollout=True):
             if branched is None:
@@ -299,8 +275,8 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
                 # group_ids / prompt_ids are local here, the driver makes them global.
                 from verl_diffusion.rollout.branched import generate_branched
 
-                out = generate_branched(self.rollout, texts, seed=seed, branch_steps=branched["branch_steps"],
-                                        num_children=branched["num_children"], store_velocities=store)
+                out = generate_branched(self.rollout, texts, seed=seed, branch_steps=branched.branch_steps,
+                                        num_children=branched.num_children, store_velocities=store)
         elapsed = time.perf_counter() - start
         metrics = dict(self.rollout.metrics)
         metrics["perf/rollout_time"] = elapsed
@@ -309,7 +285,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         # Heavy per-sample tensors (trajectories, text embeddings) stay in this worker until the update: the
         # driver needs only images, masks and log-probs, and the next calls get the same rows (same dispatch).
         self._cache = None
-        if bool(self.config.rollout.get("keep_trajectories_in_worker", True)):
+        if self.settings.rollout.keep_trajectories_in_worker:
             self._cache = {"seed": int(meta.get("seed", 0)), "rows": int(out["train_mask"].shape[0]),
                            "tensors": {k: out.pop(k) for k in _HEAVY_KEYS if k in out}}
         else:
@@ -390,7 +366,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
                              seed=int(meta.get("seed", 0)),
                              dataloader_kwargs={"shuffle": bool(meta.get("shuffle", False))})
         engine.consistency_probe = True
-        before = self._trainable_snapshot() if bool(self.config.actor.get("log_update_size", False)) else None
+        before = self._trainable_snapshot() if self.settings.actor.log_update_size else None
         out = self.actor.train_mini_batch(td)
         self._cache = None
         metrics = dict(tu.get(out, "metrics")) if out is not None else {}

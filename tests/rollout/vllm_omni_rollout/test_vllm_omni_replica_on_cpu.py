@@ -100,8 +100,12 @@ def test_engine_kwargs_name_our_pipeline_and_extension(tiny_sd3_path, tmp_path):
 
 
 def _adapter(path):
-    config = OmegaConf.create({"num_steps": 6, "resolution": 64, "sde": {"type": "flow_sde"}})
-    model = OmegaConf.create({"path": path, "lora_rank": 4, "lora_alpha": 8, "target_modules": ["attn.to_q"]})
+    from verl_diffusion.config.schema import yaml_section
+
+    config = OmegaConf.merge(yaml_section("actor_rollout_ref.rollout"),
+                             {"num_steps": 6, "resolution": 64, "sde": {"type": "flow_sde"}})
+    model = OmegaConf.merge(yaml_section("actor_rollout_ref.model"),
+                            {"path": path, "lora_rank": 4, "lora_alpha": 8, "target_modules": ["attn.to_q"]})
     return VllmOmniServerAdapter(config=config, model_config=model, replica_rank=7, start_engine=False)
 
 
@@ -162,7 +166,7 @@ def test_every_adapter_architecture_has_a_pipeline_and_its_latent_shape(tmp_path
     from verl_diffusion.models import PIPELINE_ARCHITECTURES, get_adapter_cls
     from verl_diffusion.models.tiny import TINY_BUILDERS
     from verl_diffusion.rollout.vllm_omni import latent_shape_of
-    from verl_diffusion.rollout.vllm_omni.replica import _lora_targets
+    from verl_diffusion.config.schema import ModelSection, yaml_section
 
     assert set(PIPELINE_CLASSES) == set(PIPELINE_ARCHITECTURES)
     for pipeline_name, arch in PIPELINE_ARCHITECTURES.items():
@@ -177,8 +181,9 @@ def test_every_adapter_architecture_has_a_pipeline_and_its_latent_shape(tmp_path
         assert kw["custom_pipeline_args"] == {"pipeline_class": "verl_diffusion.rollout.vllm_omni.pipelines."
                                               + PIPELINE_CLASSES[pipeline_name],
                                               "adapter_kwargs": {"max_sequence_length": 8}}
-        model = OmegaConf.create({"path": str(tmp_path / arch), "target_modules": "all-linear"})
-        assert _lora_targets(model) == adapter.lora_targets()
+        model = OmegaConf.merge(yaml_section("actor_rollout_ref.model"),
+                                {"path": str(tmp_path / arch), "target_modules": "all-linear"})
+        assert ModelSection.from_node(model).lora.target_modules == adapter.lora_targets()
 
 
 def test_collate_pads_variable_length_text_with_mask_zero():

@@ -225,7 +225,7 @@ class VllmOmniServerAdapter(BaseRollout):
 
     def __init__(self, *args: Any, config, model_config, device_mesh=None, replica_rank: int = 0,
                  start_engine: bool = True, **kwargs: Any):
-        from verl_diffusion.rollout.settings import adapter_kwargs, build_rollout_config
+        from verl_diffusion.config.schema import ModelSection, RolloutSection
 
         self.config = config
         self.model_config = model_config
@@ -233,10 +233,13 @@ class VllmOmniServerAdapter(BaseRollout):
         self.replica_rank = int(replica_rank)
         self.is_leader_rank = True
         self.global_steps = 0
-        self.cfg: RolloutConfig = build_rollout_config(config)
-        self.lora_rank = int(_get(model_config, "lora_rank", 0) or 0)
-        self.lora_alpha = _get(model_config, "lora_alpha", 16)
-        self.target_modules = _lora_targets(model_config)
+        # verl hands a replica its config nodes; they are typed here once, as the driver typed them. The LoRA
+        # layout is the actor's (the injected layers must match the ones whose weights arrive).
+        model = ModelSection.from_node(model_config)
+        self.cfg: RolloutConfig = RolloutSection.from_node(config).sampler
+        self.lora_rank = model.lora.lora_rank
+        self.lora_alpha = model.lora.lora_alpha
+        self.target_modules = model.lora.target_modules
         self._lora_id = 0
         self._lora_dir = Path(tempfile.mkdtemp(prefix="verl_diffusion_lora_"))
         self.metrics: dict[str, float] = {}
@@ -246,7 +249,7 @@ class VllmOmniServerAdapter(BaseRollout):
                                            dtype=str(_get(config, "dtype", "bfloat16")),
                                            enable_sleep_mode=bool(_get(config, "enable_sleep_mode", True)),
                                            extra=dict(omni) if omni else None,
-                                           adapter_kwargs=adapter_kwargs(model_config))
+                                           adapter_kwargs=model.adapter_kwargs)
         _LOCAL[self.replica_rank] = self
         if start_engine:
             self._engine = _EngineThread(self.engine_kwargs)
@@ -336,17 +339,6 @@ class VllmOmniServerAdapter(BaseRollout):
 
     async def release(self):
         await asyncio.to_thread(self.sleep_engine)
-
-
-def _lora_targets(model_config) -> list[str] | str:
-    """``model.target_modules``, or (unset / "all-linear") the architecture's own list, as the trainer's worker
-    resolves them (workers/worker.py ``_model_config``): the injected LoRA must match the actor's."""
-    targets = _get(model_config, "target_modules", None)
-    if targets in (None, "all-linear"):
-        from verl_diffusion.rollout.settings import model_adapter_cls
-
-        targets = model_adapter_cls(model_config).LORA_TARGETS
-    return targets if isinstance(targets, str) else list(targets)
 
 
 # replica_rank -> the adapter living in this process (the server reaches it with __ray_call__).
