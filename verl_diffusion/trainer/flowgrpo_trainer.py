@@ -1,8 +1,9 @@
 """RayFlowGRPOTrainer: verl's V1 **sync** trainer (``PPOTrainerSync``) with the token-shaped parts replaced for
 images (docs/data_flow.md), registered as ``diffusion_sync`` (``trainer.v1.trainer_mode``). This module holds verl's
-hooks and the loop; checkpointing, validation and artifacts, replica generation, the branched rollout and the
-train-mask edits are mixins in their own modules (checkpointing.py, artifacts.py, generation.py, branched.py,
-train_masks.py), the console lines in console.py.
+hooks and the loop; checkpointing, validation and artifacts, replica generation, the branched rollout, the
+train-mask edits and the step's scoring and advantages are mixins in their own modules (checkpointing.py,
+artifacts.py, generation.py, branched.py, train_masks.py, scoring.py), the console lines in console.py. Our settings
+come typed (``run_config``, config/schema.py); verl's parts read the DictConfig ``config``.
 
 Reused from verl: the trainer registry, ``init()`` (setup, then the first weight sync), the sync hooks
 (``on_sample_end`` puts the replicas to sleep, ``on_step_end`` syncs the weights through ``CheckpointEngineManager``),
@@ -29,24 +30,24 @@ from omegaconf import OmegaConf, open_dict
 
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
-from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_diffusion.config.schema import RunConfig
 from verl_diffusion.trainer import signals
-from verl_diffusion.trainer.artifacts import ValidationMixin, row_metadata
+from verl_diffusion.trainer.artifacts import ValidationMixin
 from verl_diffusion.trainer.branched import BranchedMixin
 from verl_diffusion.trainer.checkpointing import CheckpointingMixin
 from verl_diffusion.trainer.checkpoints import ResumePoint
-from verl_diffusion.trainer.console import progress_line, warn
+from verl_diffusion.trainer.console import progress_line
 from verl_diffusion.trainer.dataset import build_dataloaders
 from verl_diffusion.trainer.generation import GenerationMixin
-from verl_diffusion.trainer.metrics import advantage_summary, group_image_std, reduce_worker_metrics, reward_metrics
+from verl_diffusion.trainer.metrics import reduce_worker_metrics
 from verl_diffusion.trainer.resources import make_resource_pool_manager
 from verl_diffusion.trainer.reward_health import NoSignalMonitor, RewardBudgetExceeded, RewardHealth
 from verl_diffusion.trainer.run_dir import METRICS_NAME, WORKER_LOG_DIR, MetricsLog, write_run_state
+from verl_diffusion.trainer.scoring import ScoringMixin
 from verl_diffusion.trainer.signals import GracefulStop, StopRequested
 from verl_diffusion.trainer.train_masks import TrainMaskMixin
 
@@ -56,7 +57,7 @@ TRAINER_NAME = "diffusion_sync"
 
 @register_trainer(TRAINER_NAME)
 class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, BranchedMixin, TrainMaskMixin,
-                         PPOTrainerSync):
+                         ScoringMixin, PPOTrainerSync):
     """Flow-GRPO family trainer on verl's V1 sync trainer: one actor worker group, one colocated ``diffusers``
     rollout replica per worker (module docstring: what is verl's and what is replaced).
 
@@ -186,43 +187,6 @@ class RayFlowGRPOTrainer(CheckpointingMixin, ValidationMixin, GenerationMixin, B
                   f"workers (V1 {TRAINER_NAME})", flush=True)
 
     # ------------------------------------------------------------------ step helpers
-
-    def _compute_reward(self, batch: DataProto, images: torch.Tensor, step: int = 0) -> dict[str, float]:
-        """Score the step's images; failures per reward are counted, reported in the metrics and the progress
-        line, and a warning marks each fault's start and end (reward_health.RewardHealth)."""
-        meta = row_metadata(batch.non_tensor_batch, len(batch))
-        res = self.reward_fn(images, list(batch.non_tensor_batch["prompt"]), meta)
-        batch.batch["sample_level_rewards"] = res.scores.float()
-        for name, c in res.components.items():
-            batch.batch[f"reward_components/{name}"] = c.float()
-        out = reward_metrics(res.scores, batch.non_tensor_batch["uid"], res.components, res.failures,
-                             details=res.details)
-        # mode collapse / reward hacking shows as groups of near-identical images (benchmarks/compare_algorithms.py)
-        out["rollout/group_image_std"] = group_image_std(images, batch.non_tensor_batch["uid"])
-        out.update({f"reward/{k}" if not k.startswith("reward/") else k: float(v)
-                    for k, v in (res.metrics or {}).items() if isinstance(v, (int, float))})
-        health, events = self.reward_health.update(step, res.failures or {}, len(batch),
-                                                   getattr(res, "causes", None))
-        out.update(health)
-        signal_line = self.no_signal.update(step, out)
-        for line in events + ([signal_line] if signal_line else []):
-            warn(line)
-        return out
-
-    def _compute_advantage(self, batch: DataProto) -> dict[str, float]:
-        """verl's registered estimator (``algorithm.adv_estimator``) on sample rewards, broadcast to steps."""
-        batch.batch["response_mask"] = batch.batch["train_mask"]
-        fn = get_adv_estimator_fn(self.config.algorithm.adv_estimator)
-        kwargs = dict(sample_level_rewards=batch.batch["sample_level_rewards"],
-                      response_mask=batch.batch["response_mask"], index=batch.non_tensor_batch["uid"],
-                      config=self.config.algorithm)
-        comp = sorted(k for k in batch.batch.keys() if str(k).startswith("reward_components/"))
-        if comp and self.config.algorithm.adv_estimator == "flow_grpo_gdpo":
-            kwargs["reward_components"] = torch.stack([batch.batch[k] for k in comp], dim=-1)
-        adv, returns = fn(**kwargs)
-        batch.batch["advantages"] = adv.float()
-        batch.batch["returns"] = returns.float()
-        return advantage_summary(adv, batch.batch["response_mask"])
 
     def _on_policy(self) -> bool:
         a = self.config.actor_rollout_ref.actor
