@@ -357,6 +357,41 @@ def summarise(rows: list[dict], target_gain: float, target: float | None) -> tup
     return "\n".join(lines), agg
 
 
+def targets_table(rows: list[dict], gains) -> str:
+    """Markdown table per setting: each algorithm's held-out gain at the end of its runs (points, mean ± sd over
+    seeds, and how many seeds gained) and, for each target gain (fractions: 0.05 = +5 points over the shared base),
+    the rollouts at the first validation that reached it: mean over the seeds that did, their range, and how many
+    did (a seed that never reached it within the run's budget is censored, not averaged in)."""
+    ok = [r for r in rows if "error" not in r]
+    base_vals = [r["val_strict"][0] for r in ok if r["val_steps"] and r["val_steps"][0] == 0]
+    base = float(np.nanmean(base_vals)) if base_vals else float("nan")
+    lines = []
+    for setting in sorted({r["setting"] for r in ok}, key=lambda s: s != "single"):
+        srows = [r for r in ok if r["setting"] == setting]
+        budget = max(r["val_steps"][-1] * r["rollouts_per_step"] for r in srows)
+        head = ["algorithm", "seeds", "held-out gain at the end (points)", "seeds with a gain"] + [
+            f"rollouts to +{100 * g:.0f} points (mean [range], seeds reaching)" for g in gains]
+        lines += [f"Setting `{setting}`: base {100 * base:.1f}%, budget {budget} rollouts per run.\n",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for algo in [a for a in ALGORITHMS if any(r["algorithm"] == a for r in srows)]:
+            ar = [r for r in srows if r["algorithm"] == algo]
+            end = [100 * (r["val_strict"][-1] - base) for r in ar]
+            sd = f" ± {np.std(end, ddof=1):.1f}" if len(end) > 1 else ""
+            cells = [algo, str(len(ar)), f"{np.mean(end):+.1f}{sd}", f"{sum(e > 0 for e in end)}/{len(end)}"]
+            for g in gains:
+                reach = []
+                for r in ar:
+                    hit = [st for st, v in zip(r["val_steps"], r["val_strict"])
+                           if st > 0 and np.isfinite(v) and v >= base + g]
+                    if hit:
+                        reach.append(hit[0] * r["rollouts_per_step"])
+                cells.append(f"{np.mean(reach):.0f} [{min(reach)}–{max(reach)}] ({len(reach)}/{len(ar)})" if reach
+                             else f"not within {budget} (0/{len(ar)})")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(agg: dict, path: str) -> None:
     import matplotlib
 
@@ -419,6 +454,8 @@ def parse_args(argv=None):
                                                    "processes share one --jsonl (default: %(default)s)")
     ap.add_argument("--target", type=float, help="held-out strict accuracy target (default: base + --target-gain)")
     ap.add_argument("--target-gain", type=float, default=0.10)
+    ap.add_argument("--target-gains", type=float, nargs="+", default=[0.05, 0.10],
+                    help="gains over the base of the rollouts-to-target table (default: %(default)s: +5 and +10 points)")
     ap.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for every run")
     ap.add_argument("--jsonl", default=str(REPO / "benchmarks" / "results" / "compare_algorithms.jsonl"),
                     help="raw rows; runs already in it are skipped (default: %(default)s)")
@@ -474,6 +511,7 @@ def main(argv=None) -> int:
     wanted = [r for r in rows if r["algorithm"] in args.algorithms and r["setting"] in args.settings
               and r["seed"] in args.seeds]
     text, agg = summarise(wanted, args.target_gain, args.target)
+    text += "\n### Rollouts to target\n\n" + targets_table(wanted, args.target_gains)
     cmd = "python benchmarks/compare_algorithms.py " + " ".join(sys.argv[1:] if argv is None else argv)
     preamble = Path(args.preamble).read_text().strip() + "\n\n" if args.preamble else ""
     doc = (f"# Algorithm race on the shapes world\n\n{preamble}Command: `{cmd.strip()}`\n\n"

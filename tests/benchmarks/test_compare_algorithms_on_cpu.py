@@ -95,6 +95,23 @@ def test_summary_table_and_rollouts_to_target(race):
     assert lines["flow_grpo"].endswith("| 0.300 ± 0.000 | 0.19 ± 0.053 | — | 0.025 ± 0.035 |")
 
 
+def test_rollouts_to_each_target_with_range_and_censored_seeds(race):
+    def row(algo, seed, strict):
+        return {"algorithm": algo, "setting": "single", "seed": seed, "rollouts_per_step": 32,
+                "val_steps": [0, 2, 4], "val_strict": strict}
+
+    rows = [row("awm", 0, [0.2, 0.26, 0.32]), row("awm", 1, [0.2, 0.2, 0.26]), row("awm", 2, [0.2, 0.18, 0.19]),
+            row("flow_grpo", 0, [0.2, 0.19, 0.21])]
+    text = race.targets_table(rows, [0.05, 0.10])
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "base 20.0%, budget 128 rollouts" in text
+    # end gains +12, +6, -1 points: mean +5.7, sd 6.5; two seeds gained
+    assert lines["awm"].startswith("| awm | 3 | +5.7 ± 6.5 | 2/3 |")
+    # +5: seed 0 at step 2 (64 rollouts), seed 1 at step 4 (128); +10: seed 0 at step 4 only
+    assert "| 96 [64–128] (2/3) | 128 [128–128] (1/3) |" in lines["awm"]
+    assert lines["flow_grpo"].endswith("| not within 128 (0/1) | not within 128 (0/1) |")
+
+
 def test_package_configs_compose_as_the_base(race):
     """The default base (shapes_cpu) is a package config, not a recipe: hydra must find it as primary."""
     cfg = race.compose("flowgrpo_trainer", [])   # in verl_diffusion/config only
