@@ -384,11 +384,15 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         return DataProto(meta_info={"metrics": metrics})
 
     def _trainable_snapshot(self) -> list[torch.Tensor]:
-        """A copy of this rank's shards of the trainable parameters (for the update's size)."""
+        """A copy of this rank's shards of the trainable parameters (for the update's size). Resharded first: after
+        a forward with ``reshard_after_forward: false`` the module holds the gathered parameters, and after the update
+        the shards; both sides must be shards to be compared."""
+        _reshard(self.actor.engine)
         return [_local(p).detach().clone() for p in self.actor.engine.module.parameters() if p.requires_grad]
 
     def _update_size(self, before: list[torch.Tensor]) -> dict[str, float]:
         """|Δθ| and |Δθ| / |θ| of this step's update over all ranks' shards of the trainable parameters."""
+        _reshard(self.actor.engine)
         after = [_local(p).detach() for p in self.actor.engine.module.parameters() if p.requires_grad]
         sums = torch.zeros(2, dtype=torch.float64)
         for b, a in zip(before, after):
