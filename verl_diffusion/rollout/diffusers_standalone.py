@@ -30,15 +30,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from verl_diffusion.config.schema import (  # noqa: F401  (the placement checks, re-exported)
+    PLACEMENTS, check_placement, num_standalone_replicas, placement)
 from verl_diffusion.rollout.checkpoint_engine import BACKEND as DEFAULT_BACKEND
 from verl_diffusion.rollout.server_controls import BatchServerControls
 
 __all__ = ["PLACEMENTS", "StandaloneDiffusersAdapter", "DiffusersStandaloneWorker", "DiffusersStandaloneReplica",
            "StandaloneServer", "placement", "num_standalone_replicas", "check_placement", "resolve_standalone_config",
            "launch_standalone_replicas"]
-
-from verl_diffusion.config.schema import (  # noqa: E402,F401  (the placement checks, re-exported)
-    PLACEMENTS, check_placement, num_standalone_replicas, placement)
 
 
 def resolve_standalone_config(arr_cfg) -> Optional[str]:
