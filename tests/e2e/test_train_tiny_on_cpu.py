@@ -197,7 +197,10 @@ SESSION_CASES = [{"kind": "tiny", "name": name, "overrides": overrides, "geneval
                           "actor_rollout_ref.rollout.sde.window.hi=3",
                           "actor_rollout_ref.actor.policy_loss.loss_mode=tempflow_grpo",
                           "actor_rollout_ref.rollout.branched.enabled=true",
-                          "actor_rollout_ref.rollout.branched.branch_steps=[0,1]"],
+                          "actor_rollout_ref.rollout.branched.branch_steps=[0,1]",
+                          # the update's size with gathered parameters kept after the rollout's forwards
+                          "actor_rollout_ref.actor.log_update_size=true",
+                          "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"],
 }.items()]
 
 
@@ -249,10 +252,12 @@ def test_lora_cfg_ema_off_policy_through_ray(session_runs):
 
 def test_tempflow_branched_rollout_through_ray(session_runs):
     """TempFlow-GRPO (SPEC §3.3) through Ray: branched rollout (ODE trunk, 2 children at k ∈ {0, 1} of N = 4),
-    process advantages within (prompt, k) on the driver, micro-batches mixing branch steps in the engine."""
+    process advantages within (prompt, k) on the driver, micro-batches mixing branch steps in the engine; the
+    update's size is measured on the shards although the rollout's forwards left the parameters gathered."""
     rows, out = _session_run(session_runs, "tempflow_branched")
     assert "loss tempflow_grpo" in out and "8 images/step" in out     # 2 prompts × 2 branch steps × 2 children
     assert len(rows) == 3
     assert rows[0]["actor/first_micro_log_ratio_abs_max"] == 0.0
     for r in rows:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["advantages/abs_max"] > 0
+        assert 0 < r["actor/update_rel_norm"] < 1 and r["actor/update_norm"] > 0
