@@ -1,13 +1,17 @@
 """How much of each loss's gradient is signal: the agreement of two independent half-batch gradients.
 
     python benchmarks/gradient_snr.py [--algorithms flow_grpo awm diffusion_nft path_space_kde] [--batches 3]
+    python benchmarks/gradient_snr.py --algorithms flow_grpo --prompts 64                       # 4× the images
+    python benchmarks/gradient_snr.py --algorithms flow_grpo \
+        --set actor_rollout_ref.rollout.sde.noise_level=1.2 actor_rollout_ref.rollout.sde.window.mode=fixed \
+              actor_rollout_ref.rollout.sde.window.size=3                                     # another setting
 
 On the shapes base with the default run's batch (16 train prompts × 8 images, the shapes reward), each algorithm
 with its race settings (benchmarks/compare_algorithms.py: the recipe's loss knobs, sampler, noise level and window;
 the base's model, batch and resolution) draws a rollout batch, computes advantages (the algorithm's std mode) and, in
 one process with the project's rollout and step-loss code, the gradient of its loss over the trained steps of
 
-- half A (groups 0-7) and half B (groups 8-15) separately: g_A, g_B;
+- half A (the first half of the groups) and half B (the second half) separately: g_A, g_B;
 - the same halves with the advantages shuffled within each group (which image earned which reward is lost; each
   group keeps its advantages and their zero sum, so the loss keeps its form): the null.
 
@@ -78,6 +82,7 @@ def cosine(a, b) -> float:
 
 def measure(algo: str, args, race, prompts_meta: list, batch: int) -> dict:
     import torch
+    import yaml
     from omegaconf import OmegaConf
 
     from verl_diffusion.algos.advantages import group_advantages
@@ -90,6 +95,9 @@ def measure(algo: str, args, race, prompts_meta: list, batch: int) -> dict:
 
     ns = race.parse_args(["--model", args.model, "--algorithms", algo, "--seeds", "0"])
     cfg = race.build_config(ns, algo, "single", 0, tempfile.mkdtemp(prefix="snr_"))
+    for item in args.set:
+        key, _, value = item.partition("=")
+        OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, merge=False, force_add=True)
     settings = ActorRolloutRefSection.from_node(cfg.actor_rollout_ref)
     loss = step_loss_for(settings)
     rcfg = settings.rollout.sampler
@@ -100,11 +108,12 @@ def measure(algo: str, args, race, prompts_meta: list, batch: int) -> dict:
     reward = build_reward({"shapes": 1.0})
     std_mode = str(OmegaConf.select(cfg, "algorithm.flow_grpo.std_mode", default="global") or "global")
     n = settings.rollout.n
+    groups = int(args.prompts)
     rng = np.random.default_rng(1000 + batch)
-    pick = rng.choice(len(prompts_meta), 16, replace=False)
+    pick = rng.choice(len(prompts_meta), groups, replace=False)
     texts = [prompts_meta[i][0] for i in pick for _ in range(n)]
     metas = [prompts_meta[i][1] for i in pick for _ in range(n)]
-    gids = torch.arange(16).repeat_interleave(n)
+    gids = torch.arange(groups).repeat_interleave(n)
     store = bool({"old_velocity", "old_mean"} & set(loss.spec.batch_keys))
     with torch.no_grad():
         out = rollout.generate(texts, gids, seed=batch, store_velocities=store)
@@ -114,13 +123,19 @@ def measure(algo: str, args, race, prompts_meta: list, batch: int) -> dict:
     rows = dict(out)
     rows["old_log_probs"] = rows["rollout_log_probs"]
     rows["group_ids"] = gids
-    half_a, half_b = torch.arange(0, 8 * n), torch.arange(8 * n, 16 * n)
-    result = {"algorithm": algo, "batch": batch, "reward_mean": float(res.scores.float().mean()),
-              "zero_std_groups": float(np.mean([float(res.scores[gids == g].float().std()) < 1e-8 for g in range(16)]))}
+    half = groups // 2 * n
+    half_a, half_b = torch.arange(0, half), torch.arange(half, 2 * half)
+    from verl_diffusion.workers.step_loss import trained_steps
+
+    result = {"algorithm": algo, "batch": batch, "prompts": groups, "set": list(args.set),
+              "trained_steps": [int(k) for k in trained_steps(rows["train_mask"])],
+              "reward_mean": float(res.scores.float().mean()),
+              "zero_std_groups": float(np.mean([float(res.scores[gids == g].float().std()) < 1e-8
+                                                for g in range(groups)]))}
     # the null: advantages shuffled within each group (every group keeps its advantages and their zero sum, but
     # which image got which reward is lost)
     prng = np.random.default_rng(7 + batch)
-    perm = torch.cat([g * n + torch.from_numpy(prng.permutation(n)) for g in range(16)])
+    perm = torch.cat([g * n + torch.from_numpy(prng.permutation(n)) for g in range(groups)])
     for label, a in (("real", adv), ("null", adv[perm])):
         r = dict(rows)
         r["advantages"] = a[:, None].expand_as(r["train_mask"]).float().contiguous()
@@ -140,8 +155,13 @@ def main(argv=None):
     p.add_argument("--algorithms", nargs="+", default=["flow_grpo", "awm", "diffusion_nft", "path_space_kde"])
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=16, help="groups per batch, even (default: %(default)s, the default run's)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config values replacing the algorithm's race settings (e.g. the SDE noise level or window)")
     p.add_argument("--jsonl", default=None, help="append raw rows here")
     a = p.parse_args(argv)
+    if a.prompts < 2 or a.prompts % 2:
+        p.error(f"--prompts {a.prompts}: want an even number of groups >= 2 (two halves)")
     import torch
 
     torch.set_num_threads(a.threads)
@@ -160,6 +180,7 @@ def main(argv=None):
             if a.jsonl:
                 with open(a.jsonl, "a") as f:
                     f.write(json.dumps(row) + "\n")
+    print(f"\n{a.prompts} prompts × 8 images per batch; settings: {' '.join(a.set) or 'the race settings'}")
     print("\n| algorithm | batches | cos(g_A, g_B) real | cos null (advantages permuted) | |g| real / null |")
     print("|---|---|---|---|---|")
     for algo in a.algorithms:
