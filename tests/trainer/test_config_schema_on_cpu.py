@@ -35,7 +35,8 @@ def test_the_default_run_typed_once(tmp_path):
     assert arr.model.architecture == "sd3" and arr.model.lora.lora_rank == 0 and arr.model.dtype == "fp32"
     a = arr.actor
     assert a.loss_mode == "awm" and type(a.loss).__name__.lower().startswith("awm")
-    assert (a.loss.kl_coef, a.loss.phi, a.lr, a.train_step_fraction) == (0.003, "uniform", 1e-4, 0.4)
+    assert (a.loss.kl_coef, a.loss.phi, a.lr, a.train_step_fraction) == (0.003, "uniform", 1e-4, 1.0)
+    assert (a.lr_scheduler_type, a.min_lr_ratio) == ("cosine", 0.1)
     assert (a.old_policy.schedule, a.old_policy.decay_max, a.old_policy.use_for_rollout) == ("awm_linear", 0.3, True)
     assert run.data.train_batch_size == 16 and run.data.num_val_prompts == 572 and run.data.num_train_prompts >= 16
     assert run.reward.components == {"shapes": 1.0} and run.adv_estimator == "flow_grpo"
@@ -67,6 +68,9 @@ def test_a_missing_key_is_one_line_naming_it(tmp_path):
     ("actor_rollout_ref.rollout.n=0", r"^actor_rollout_ref\.rollout\.n=0 must be an integer >= 1"),
     ("actor_rollout_ref.model.dtype=fp8", r"^actor_rollout_ref\.model\.dtype='fp8' is unknown"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0", r"ppo_micro_batch_size_per_gpu=0 must be an integer"),
+    ("actor_rollout_ref.actor.optim.lr_scheduler_type=linear",
+     r"^actor_rollout_ref\.actor\.optim\.lr_scheduler_type='linear': want one of \['constant', 'cosine'\]"),
+    ("actor_rollout_ref.actor.optim.min_lr_ratio=1.5", r"^actor_rollout_ref\.actor\.optim\.min_lr_ratio=1\.5 must be"),
     ("actor_rollout_ref.actor.ema.enable=true actor_rollout_ref.rollout.placement=standalone "
      "actor_rollout_ref.actor.old_policy.use_for_rollout=false", r"^actor_rollout_ref\.actor\.ema\.enable=true"),
 ])

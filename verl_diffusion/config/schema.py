@@ -470,15 +470,20 @@ class EmaSettings(Section):
     interval: int
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ActorSection(Section):
     """``actor_rollout_ref.actor``: the loss (its name and its config dataclass, built from ``policy_loss``), the
-    learning rate, the share of trained steps, θ_old and the evaluation EMA, the batch split, whether each update's
+    learning rate and its schedule, the share of trained steps, θ_old and the evaluation EMA, the batch split, whether each update's
     size is logged."""
 
     loss_mode: str
     loss: Any
     lr: float
+    lr_scheduler_type: str
+    min_lr_ratio: float
     train_step_fraction: float
     old_policy: OldPolicyConfig
     ema: EmaSettings
@@ -497,6 +502,16 @@ class ActorSection(Section):
         if x is None or x <= 0:
             raise ConfigError(f"{where}.optim.lr={lr!r} must be a number > 0 (lr 0 trains nothing; "
                               "the recipes use 1e-4 to 3e-4)")
+        # verl's FSDP engine builds the schedule inside each worker; a bad name would fail there, after Ray started.
+        schedule = str(_need(optim, "lr_scheduler_type", f"{where}.optim"))
+        if schedule not in LR_SCHEDULES:
+            raise ConfigError(f"{where}.optim.lr_scheduler_type={schedule!r}: want one of {list(LR_SCHEDULES)} "
+                              "(verl's FSDP engine: constant after warm-up, or cosine decay to lr·min_lr_ratio)")
+        min_lr_ratio = optim.get("min_lr_ratio", None)
+        ratio = _finite(min_lr_ratio)
+        if ratio is None or not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"{where}.optim.min_lr_ratio={min_lr_ratio!r} must be a number in [0, 1] "
+                              "(the cosine schedule's final lr over lr)")
         frac = float(_need(d, "train_step_fraction", where))
         if not 0.0 < frac <= 1.0:
             raise ConfigError(f"{where}.train_step_fraction={frac} must be in (0, 1] "
@@ -522,7 +537,8 @@ class ActorSection(Section):
         except (KeyError, ValueError, TypeError) as e:
             raise ConfigError(str(e).strip("'\"")) from None
         ema = dict(_need(d, "ema", where) or {})
-        return cls(loss_mode=loss_mode, loss=loss, lr=x, train_step_fraction=frac, old_policy=old_policy,
+        return cls(loss_mode=loss_mode, loss=loss, lr=x, lr_scheduler_type=schedule, min_lr_ratio=ratio,
+                   train_step_fraction=frac, old_policy=old_policy,
                    ema=EmaSettings(enable=bool(ema.get("enable", False)), decay_max=float(_need(ema, "decay_max", f"{where}.ema")),
                                    interval=int(_need(ema, "interval", f"{where}.ema"))),
                    ppo_mini_batch_size=_int(_need(d, "ppo_mini_batch_size", where), f"{where}.ppo_mini_batch_size", low=1),
