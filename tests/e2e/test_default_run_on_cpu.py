@@ -128,7 +128,8 @@ def test_default_run_exports_a_model_that_reproduces_its_validation(default_run,
     # the README's three lines, as written there (stock diffusers, no verl_diffusion import)
     load = subprocess.run([sys.executable, "-c", "import sys\nfrom diffusers import DiffusionPipeline\n"
                            f"pipe = DiffusionPipeline.from_pretrained({str(model)!r})\n"
-                           "img = pipe('a red circle', height=32, width=32, num_inference_steps=10).images[0]\n"
+                           "img = pipe('a red circle', height=32, width=32, num_inference_steps=10, "
+                           "guidance_scale=1.0).images[0]\n"
                            "print(type(pipe).__name__, img.size, 'verl_diffusion' in sys.modules)"],
                           capture_output=True, text=True, timeout=300)
     assert load.stdout.split()[-4:] == ["StableDiffusion3Pipeline", "(32,", "32)", "False"], load.stderr[-2000:]

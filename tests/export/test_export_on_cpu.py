@@ -19,7 +19,7 @@ import torch
 
 from export_stock import seeded_noise, stock_images
 from verl_diffusion.export.shards import gather_state_dict, shard_files
-from verl_diffusion.export.writer import INFO_NAME, LORA_WEIGHT_NAME, merge_lora, write_export
+from verl_diffusion.export.writer import INFO_NAME, LORA_WEIGHT_NAME, guidance_kwargs, merge_lora, write_export
 from verl_diffusion.models import get_adapter_cls
 from verl_diffusion.models.tiny import save_tiny
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, RolloutConfig
@@ -115,6 +115,48 @@ def test_lora_exports_diffusers_lora_weights_and_a_merged_folder(base, tmp_path)
     assert json.loads(open(os.path.join(merged, INFO_NAME)).read())["kind"] == "merged"
     mpipe = DiffusionPipeline.from_pretrained(merged)
     _close(_stock(mpipe, _adapter(merged)), ours, levels=2)
+
+
+def test_model_card_names_the_validation_guidance_in_each_pipelines_terms():
+    """The card's sampling line passes the run's CFG scale under the name the stock pipeline reads it by (each
+    pipeline's default differs: SD3's 7.0 turns CFG on where the run validated without it)."""
+    assert guidance_kwargs("StableDiffusion3Pipeline", {"guidance_scale": 1.0}) == ", guidance_scale=1.0"
+    assert guidance_kwargs("StableDiffusion3Pipeline", {"guidance_scale": 4.5, "negative_prompt": "blurry"}) == \
+        ", guidance_scale=4.5, negative_prompt='blurry'"
+    assert guidance_kwargs("QwenImagePipeline", {"guidance_scale": 4.0, "negative_prompt": " "}) == \
+        ", true_cfg_scale=4.0, negative_prompt=' '"
+    assert guidance_kwargs("FluxPipeline", {"guidance_scale": 1.0}) == ", true_cfg_scale=1.0"
+    assert guidance_kwargs("Flux2KleinPipeline", {"guidance_scale": 4.0, "negative_prompt": "x"}) == ", guidance_scale=4.0"
+    assert guidance_kwargs(None, {"guidance_scale": 4.0}) == guidance_kwargs("FluxPipeline", {}) == ""
+
+
+def test_model_card_call_samples_with_the_validation_settings(tmp_path):
+    """The card's line, run as written on a tiny SD3 export (with a seeded generator added), gives the images of the
+    stock pipeline at the validation's settings (CFG off), not those of the pipeline's defaults."""
+    import re
+
+    from diffusers import DiffusionPipeline
+
+    path = str(save_tiny("sd3", tmp_path / "base"))
+    adapter = _adapter(path)
+    info = dict(_info(path), architecture=adapter.architecture)
+    info["sampling"]["guidance_scale"] = 1.0
+    out = write_export(adapter.transformer.state_dict(), info, str(tmp_path / "model"))
+    card = open(os.path.join(out, "README.md")).read()
+    inner = re.search(r"^pipe\((.*)\)\.images\[0\]", card, re.M).group(1)
+    args, kwargs = eval(f"(lambda *a, **k: (a, k))({inner})")  # noqa: S307 - the card's own call
+    pipe = DiffusionPipeline.from_pretrained(out)
+    pipe.set_progress_bar_config(disable=True)
+
+    def images(*a, **k):
+        return pipe(*a, **k, generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+    card_images = images(*args, **kwargs)
+    assert kwargs["guidance_scale"] == 1.0 and (kwargs["height"], kwargs["num_inference_steps"]) == (SIZE, STEPS)
+    assert torch.equal(card_images, images(args[0], height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                                           guidance_scale=1.0))
+    default = images(args[0], height=SIZE, width=SIZE, num_inference_steps=STEPS)   # CFG 7: the test can fail
+    assert float((default - card_images).abs().max()) > 0.05
 
 
 def test_merge_lora_is_w_plus_scaled_b_a():

@@ -170,12 +170,29 @@ def write_export(state: dict, info: dict, output: str, *, merge: bool = False,
     return output
 
 
+def guidance_kwargs(architecture: Optional[str], sampling: dict) -> str:
+    """The stock pipeline's keyword arguments for the validation's CFG scale (", name=value ..."), or "" when unknown.
+    Each pipeline's own default differs (SD3's is 7.0, i.e. CFG on), so the card names the run's value. Qwen-Image
+    and FLUX.1 take CFG as ``true_cfg_scale`` (their ``guidance_scale`` is the distilled guidance); SD3 and
+    FLUX.2-klein as ``guidance_scale``."""
+    if sampling.get("guidance_scale") is None or architecture is None:
+        return ""
+    g = float(sampling["guidance_scale"])
+    name = "true_cfg_scale" if architecture in ("QwenImagePipeline", "FluxPipeline") else "guidance_scale"
+    out = f", {name}={g}"
+    negative = sampling.get("negative_prompt") or ""
+    if g != 1.0 and negative and architecture != "Flux2KleinPipeline":
+        out += f", negative_prompt={negative!r}"
+    return out
+
+
 def readme_text(info: dict, path: str) -> str:
     """What the folder holds and the stock-diffusers lines that load it."""
     s = info.get("sampling") or {}
     size = int(s.get("resolution", 512))
     steps = int(s.get("num_steps", 28))
-    call = f'pipe("a photo of a red circle", height={size}, width={size}, num_inference_steps={steps})'
+    call = (f'pipe("a photo of a red circle", height={size}, width={size}, num_inference_steps={steps}'
+            f'{guidance_kwargs(info.get("architecture"), s)})')
     if info["kind"] == "lora":
         load = (f'pipe = DiffusionPipeline.from_pretrained("{info["base_model"]}")\n'
                 f'pipe.load_lora_weights("{path}")')
