@@ -15,8 +15,10 @@ the shared Ray session's trainings run on the other.
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,11 +115,20 @@ def test_v1_trainer_trains_through_the_colocated_diffusers_replica(default_run):
 # Images of the final validation that the sample command re-draws from the exported model (the first N of the 572:
 # the same prompts and noise seeds in the same order; all 572 take about a minute more on 2 cores).
 SAMPLE_CHECK_IMAGES = 96
+# Images the README's own sampling lines re-draw with stock diffusers (a second each).
+README_CHECK_IMAGES = 8
+
+
+def _text(prompt) -> str:
+    """A prompt cell: the text, or verl's chat form [{role, content}]."""
+    return prompt if isinstance(prompt, str) else prompt[0]["content"]
 
 
 def test_default_run_exports_a_model_that_reproduces_its_validation(default_run, tmp_path):
     """The run ends by printing the path of its exported model: a full pipeline folder (the shapes run is a full
-    fine-tune) that stock diffusers loads with no verl-diffusion import; ``python -m verl_diffusion.sample`` on it,
+    fine-tune) that stock diffusers loads with no verl-diffusion import, and whose images drawn by the README's own
+    sampling line (its arguments as written, the validation's noise seeds) get the run's rewards;
+    ``python -m verl_diffusion.sample`` on it,
     with the run's own validation settings (export_info.json), scores the first SAMPLE_CHECK_IMAGES images of the
     final validation exactly as the run did (same per-image strict verdict and reward)."""
     run_dir, _, out = default_run
@@ -125,20 +136,37 @@ def test_default_run_exports_a_model_that_reproduces_its_validation(default_run,
     assert f"model: {model}" in out
     info = json.loads((model / "export_info.json").read_text())
     assert info["kind"] == "full" and info["step"] == DEFAULT_STEPS and info["weights"] == "trained"
-    # the README's three lines, as written there (stock diffusers, no verl_diffusion import)
-    load = subprocess.run([sys.executable, "-c", "import sys\nfrom diffusers import DiffusionPipeline\n"
+    # the README's lines, with its sampling arguments as written there (stock diffusers, no verl_diffusion import),
+    # on the first README_CHECK_IMAGES validation prompts with their noise seeds: the run's verdicts and rewards
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    call = re.search(r'^pipe\("a red circle", (.*?)\)\.images\[0\]', readme, re.M | re.S).group(1)
+    run = [json.loads(line) for line in open(run_dir / "validation" / f"step_{DEFAULT_STEPS:05d}.jsonl")]
+    first = run[:README_CHECK_IMAGES]
+    load = subprocess.run([sys.executable, "-c", "import sys, numpy, torch\nfrom diffusers import DiffusionPipeline\n"
                            f"pipe = DiffusionPipeline.from_pretrained({str(model)!r})\n"
-                           "img = pipe('a red circle', height=32, width=32, num_inference_steps=10, "
-                           "guidance_scale=1.0).images[0]\n"
-                           "print(type(pipe).__name__, img.size, 'verl_diffusion' in sys.modules)"],
+                           f"imgs = [numpy.asarray(pipe(p, {call}, generator=torch.Generator().manual_seed(s)).images[0])"
+                           f" for p, s in {[(r['prompt'], r['seed']) for r in first]!r}]\n"
+                           f"numpy.save({str(tmp_path / 'readme.npy')!r}, numpy.stack(imgs))\n"
+                           "print(type(pipe).__name__, imgs[0].shape, 'verl_diffusion' in sys.modules)"],
                           capture_output=True, text=True, timeout=300)
-    assert load.stdout.split()[-4:] == ["StableDiffusion3Pipeline", "(32,", "32)", "False"], load.stderr[-2000:]
+    assert load.stdout.split()[-5:] == ["StableDiffusion3Pipeline", "(32,", "32,", "3)", "False"], load.stderr[-2000:]
+    import numpy as np
+    import torch
+
+    from verl_diffusion.prompt_files import read_rows
+    from verl_diffusion.rewards import build_reward
+
+    rows = read_rows(str(Path(info["sampling"]["val_files"][0])))[:README_CHECK_IMAGES]
+    assert [r["prompt"] for r in first] == [_text(r["prompt"]) for r in rows]
+    images = torch.from_numpy(np.load(tmp_path / "readme.npy")).permute(0, 3, 1, 2).contiguous()
+    res = build_reward({"shapes": 1.0})(images, [r["prompt"] for r in first],
+                                        [json.loads(r["reward_model"]["ground_truth"]) for r in rows])
+    assert res.scores.tolist() == pytest.approx([r["reward"] for r in first], abs=1e-6)
     res = subprocess.run([sys.executable, "-m", "verl_diffusion.sample", "--model", str(model), "--reward", "shapes",
                           "--num-images", str(SAMPLE_CHECK_IMAGES), "--output", str(tmp_path / "sample")],
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-3000:]
     ours = [json.loads(line) for line in open(tmp_path / "sample" / "scores.jsonl")]
-    run = [json.loads(line) for line in open(run_dir / "validation" / f"step_{DEFAULT_STEPS:05d}.jsonl")]
     run = run[:SAMPLE_CHECK_IMAGES]
     assert [(r["prompt"], r["seed"], r["shapes/strict"]) for r in ours] == \
         [(r["prompt"], r["seed"], r["shapes/strict"]) for r in run]

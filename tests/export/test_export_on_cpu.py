@@ -19,7 +19,7 @@ import torch
 
 from export_stock import seeded_noise, stock_images
 from verl_diffusion.export.shards import gather_state_dict, shard_files
-from verl_diffusion.export.writer import INFO_NAME, LORA_WEIGHT_NAME, guidance_kwargs, merge_lora, write_export
+from verl_diffusion.export.writer import INFO_NAME, LORA_WEIGHT_NAME, merge_lora, pipeline_kwargs, write_export
 from verl_diffusion.models import get_adapter_cls
 from verl_diffusion.models.tiny import save_tiny
 from verl_diffusion.rollout.diffusers_rollout import DiffusersRollout, RolloutConfig
@@ -117,22 +117,24 @@ def test_lora_exports_diffusers_lora_weights_and_a_merged_folder(base, tmp_path)
     _close(_stock(mpipe, _adapter(merged)), ours, levels=2)
 
 
-def test_model_card_names_the_validation_guidance_in_each_pipelines_terms():
-    """The card's sampling line passes the run's CFG scale under the name the stock pipeline reads it by (each
-    pipeline's default differs: SD3's 7.0 turns CFG on where the run validated without it)."""
-    assert guidance_kwargs("StableDiffusion3Pipeline", {"guidance_scale": 1.0}) == ", guidance_scale=1.0"
-    assert guidance_kwargs("StableDiffusion3Pipeline", {"guidance_scale": 4.5, "negative_prompt": "blurry"}) == \
+def test_model_card_names_the_validation_settings_in_each_pipelines_terms():
+    """The card's sampling line passes the run's CFG scale under the name the stock pipeline reads it by, and the
+    text length the run encoded prompts with (each pipeline's defaults differ: SD3's CFG 7.0 and 256 tokens)."""
+    assert pipeline_kwargs("StableDiffusion3Pipeline", {"guidance_scale": 1.0, "max_sequence_length": 12}) == \
+        ", guidance_scale=1.0, max_sequence_length=12"
+    assert pipeline_kwargs("StableDiffusion3Pipeline", {"guidance_scale": 4.5, "negative_prompt": "blurry"}) == \
         ", guidance_scale=4.5, negative_prompt='blurry'"
-    assert guidance_kwargs("QwenImagePipeline", {"guidance_scale": 4.0, "negative_prompt": " "}) == \
+    assert pipeline_kwargs("QwenImagePipeline", {"guidance_scale": 4.0, "negative_prompt": " "}) == \
         ", true_cfg_scale=4.0, negative_prompt=' '"
-    assert guidance_kwargs("FluxPipeline", {"guidance_scale": 1.0}) == ", true_cfg_scale=1.0"
-    assert guidance_kwargs("Flux2KleinPipeline", {"guidance_scale": 4.0, "negative_prompt": "x"}) == ", guidance_scale=4.0"
-    assert guidance_kwargs(None, {"guidance_scale": 4.0}) == guidance_kwargs("FluxPipeline", {}) == ""
+    assert pipeline_kwargs("FluxPipeline", {"guidance_scale": 1.0, "max_sequence_length": 512}) == \
+        ", true_cfg_scale=1.0, max_sequence_length=512"
+    assert pipeline_kwargs("Flux2KleinPipeline", {"guidance_scale": 4.0, "negative_prompt": "x"}) == ", guidance_scale=4.0"
+    assert pipeline_kwargs(None, {"guidance_scale": 4.0}) == pipeline_kwargs("FluxPipeline", {}) == ""
 
 
 def test_model_card_call_samples_with_the_validation_settings(tmp_path):
     """The card's line, run as written on a tiny SD3 export (with a seeded generator added), gives the images of the
-    stock pipeline at the validation's settings (CFG off), not those of the pipeline's defaults."""
+    stock pipeline at the validation's settings (CFG off, the run's text length), not those of its defaults."""
     import re
 
     from diffusers import DiffusionPipeline
@@ -140,7 +142,7 @@ def test_model_card_call_samples_with_the_validation_settings(tmp_path):
     path = str(save_tiny("sd3", tmp_path / "base"))
     adapter = _adapter(path)
     info = dict(_info(path), architecture=adapter.architecture)
-    info["sampling"]["guidance_scale"] = 1.0
+    info["sampling"].update(guidance_scale=1.0, max_sequence_length=adapter.max_sequence_length)
     out = write_export(adapter.transformer.state_dict(), info, str(tmp_path / "model"))
     card = open(os.path.join(out, "README.md")).read()
     inner = re.search(r"^pipe\((.*)\)\.images\[0\]", card, re.M).group(1)
@@ -153,10 +155,13 @@ def test_model_card_call_samples_with_the_validation_settings(tmp_path):
 
     card_images = images(*args, **kwargs)
     assert kwargs["guidance_scale"] == 1.0 and (kwargs["height"], kwargs["num_inference_steps"]) == (SIZE, STEPS)
+    assert kwargs["max_sequence_length"] == adapter.max_sequence_length < 256
     assert torch.equal(card_images, images(args[0], height=SIZE, width=SIZE, num_inference_steps=STEPS,
-                                           guidance_scale=1.0))
-    default = images(args[0], height=SIZE, width=SIZE, num_inference_steps=STEPS)   # CFG 7: the test can fail
-    assert float((default - card_images).abs().max()) > 0.05
+                                           guidance_scale=1.0, max_sequence_length=adapter.max_sequence_length))
+    # the pipeline's defaults (CFG 7, 256 tokens) and each one alone sample other images: the test can fail
+    for k in ({}, {"guidance_scale": 1.0}, {"max_sequence_length": adapter.max_sequence_length}):
+        other = images(args[0], height=SIZE, width=SIZE, num_inference_steps=STEPS, **k)
+        assert float((other - card_images).abs().max()) > 0.01, k
 
 
 def test_merge_lora_is_w_plus_scaled_b_a():

@@ -170,19 +170,25 @@ def write_export(state: dict, info: dict, output: str, *, merge: bool = False,
     return output
 
 
-def guidance_kwargs(architecture: Optional[str], sampling: dict) -> str:
-    """The stock pipeline's keyword arguments for the validation's CFG scale (", name=value ..."), or "" when unknown.
-    Each pipeline's own default differs (SD3's is 7.0, i.e. CFG on), so the card names the run's value. Qwen-Image
-    and FLUX.1 take CFG as ``true_cfg_scale`` (their ``guidance_scale`` is the distilled guidance); SD3 and
+def pipeline_kwargs(architecture: Optional[str], sampling: dict) -> str:
+    """The stock pipeline's keyword arguments for the validation's settings that its defaults do not match
+    (", name=value ..."): the CFG scale under the name the pipeline reads it by, and the text-encoder length.
+    Each pipeline's own defaults differ from a run's (SD3 samples with CFG 7.0 and 256 T5 tokens; the adapters cap
+    the length at the tokenizer's, which changes the images of a model with a short tokenizer). Qwen-Image and
+    FLUX.1 take CFG as ``true_cfg_scale`` (their ``guidance_scale`` is the distilled guidance); SD3 and
     FLUX.2-klein as ``guidance_scale``."""
-    if sampling.get("guidance_scale") is None or architecture is None:
+    if architecture is None:
         return ""
-    g = float(sampling["guidance_scale"])
-    name = "true_cfg_scale" if architecture in ("QwenImagePipeline", "FluxPipeline") else "guidance_scale"
-    out = f", {name}={g}"
-    negative = sampling.get("negative_prompt") or ""
-    if g != 1.0 and negative and architecture != "Flux2KleinPipeline":
-        out += f", negative_prompt={negative!r}"
+    out = ""
+    if sampling.get("guidance_scale") is not None:
+        g = float(sampling["guidance_scale"])
+        name = "true_cfg_scale" if architecture in ("QwenImagePipeline", "FluxPipeline") else "guidance_scale"
+        out += f", {name}={g}"
+        negative = sampling.get("negative_prompt") or ""
+        if g != 1.0 and negative and architecture != "Flux2KleinPipeline":
+            out += f", negative_prompt={negative!r}"
+    if sampling.get("max_sequence_length") is not None:
+        out += f", max_sequence_length={int(sampling['max_sequence_length'])}"
     return out
 
 
@@ -192,7 +198,7 @@ def readme_text(info: dict, path: str) -> str:
     size = int(s.get("resolution", 512))
     steps = int(s.get("num_steps", 28))
     call = (f'pipe("a photo of a red circle", height={size}, width={size}, num_inference_steps={steps}'
-            f'{guidance_kwargs(info.get("architecture"), s)})')
+            f'{pipeline_kwargs(info.get("architecture"), s)})')
     if info["kind"] == "lora":
         load = (f'pipe = DiffusionPipeline.from_pretrained("{info["base_model"]}")\n'
                 f'pipe.load_lora_weights("{path}")')

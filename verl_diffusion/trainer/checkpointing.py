@@ -158,6 +158,7 @@ class CheckpointingMixin:
                              "guidance_scale": float(r.get("guidance_scale", 1.0)),
                              "negative_prompt": str(r.get("negative_prompt", "") or ""),
                              "grid": str(r.get("grid", "scheduler")), "shift": float(r.get("shift", 3.0)),
+                             "max_sequence_length": self.worker_info.get("max_sequence_length"),
                              "val_files": [str(f) for f in self.config.data.val_files],
                              "num_images": int(self.config.trainer.get("val_num_images", 0) or 0)}}
 

@@ -224,6 +224,7 @@ class DiffusionActorRolloutRefWorker(WeightSyncSender, Worker):
         return {"lora": bool(engine._is_lora), "reference": "adapter_disabled" if engine._is_lora else (
             "frozen_copy" if self.ref is not None else "none"), "loss": self.step_loss.name,
             "architecture": self.adapter.architecture, "grid": rollout_cfg.grid,
+            "max_sequence_length": getattr(self.adapter, "max_sequence_length", None),
             # The plugin's entry in verl's rollout dict, as this worker process sees it (tests read it per worker).
             "rollout_adapter": _ROLLOUT_REGISTRY.get((name, "async"), ""),
             "replica_rank": int(self.rollout_adapter.replica_rank)}
