@@ -119,11 +119,6 @@ SAMPLE_CHECK_IMAGES = 96
 README_CHECK_IMAGES = 8
 
 
-def _text(prompt) -> str:
-    """A prompt cell: the text, or verl's chat form [{role, content}]."""
-    return prompt if isinstance(prompt, str) else prompt[0]["content"]
-
-
 def test_default_run_exports_a_model_that_reproduces_its_validation(default_run, tmp_path):
     """The run ends by printing the path of its exported model: a full pipeline folder (the shapes run is a full
     fine-tune) that stock diffusers loads with no verl-diffusion import, and whose images drawn by the README's own
@@ -153,11 +148,11 @@ def test_default_run_exports_a_model_that_reproduces_its_validation(default_run,
     import numpy as np
     import torch
 
-    from verl_diffusion.prompt_files import read_rows
+    from verl_diffusion.prompt_files import prompt_text, read_rows
     from verl_diffusion.rewards import build_reward
 
     rows = read_rows(str(Path(info["sampling"]["val_files"][0])))[:README_CHECK_IMAGES]
-    assert [r["prompt"] for r in first] == [_text(r["prompt"]) for r in rows]
+    assert [r["prompt"] for r in first] == [prompt_text(r["prompt"]) for r in rows]
     images = torch.from_numpy(np.load(tmp_path / "readme.npy")).permute(0, 3, 1, 2).contiguous()
     res = build_reward({"shapes": 1.0})(images, [r["prompt"] for r in first],
                                         [json.loads(r["reward_model"]["ground_truth"]) for r in rows])
