@@ -12,12 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def race():
-    spec = importlib.util.spec_from_file_location("compare_algorithms", REPO / "benchmarks" / "compare_algorithms.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compare_algorithms"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def race(load_benchmark):
+    return load_benchmark("compare_algorithms")
 
 
 @pytest.fixture(scope="module")

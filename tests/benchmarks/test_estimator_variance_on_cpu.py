@@ -5,24 +5,15 @@ A(x0) = ⟨a, x0⟩: the value gradient is ∇V(x_t) = (1−t)·s²/((1−t)²s�
 (Flow-SDE rollouts at η = 1 for the posterior draws, the three estimators, their scales) must recover it:
 deterministic and stochastic unbiased (up to Monte Carlo and Euler error), KDE with h = 1 close."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def ev():
-    spec = importlib.util.spec_from_file_location("estimator_variance", REPO / "benchmarks" / "estimator_variance.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["estimator_variance"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def ev(load_benchmark):
+    return load_benchmark("estimator_variance")
 
 
 def test_model_scale_estimators_recover_the_exact_value_gradient(ev):

@@ -1,8 +1,6 @@
 """benchmarks/heldout_fresh_noise.py: every model sees the same prompts and noise, so a copy of the reference scores
 image for image what the reference scores (a gain of exactly 0), and a changed model scores other images."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +12,8 @@ BASE = REPO / "verl_diffusion" / "assets" / "shapes_sd3"
 
 
 @pytest.fixture(scope="module")
-def hfn():
-    spec = importlib.util.spec_from_file_location("heldout_fresh_noise", REPO / "benchmarks" / "heldout_fresh_noise.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["heldout_fresh_noise"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def hfn(load_benchmark):
+    return load_benchmark("heldout_fresh_noise")
 
 
 @pytest.fixture(scope="module")
