@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import signal
+import threading
 from typing import Any, Optional
 
 # Loading bars and advisory lines of diffusers / transformers / huggingface_hub in every process (a model load
@@ -93,8 +95,8 @@ def start_ray(cfg, platform: str) -> bool:
     if own_ray and address:
         # An existing cluster (ray start --head / --address on every node; docs/multinode.md): its nodes bring their
         # own resources, so nothing is sized here (Ray refuses num_cpus when joining).
-        ray.init(address=address, runtime_env={"env_vars": env}, logging_level=logging.ERROR,
-                 log_to_driver=bool(cfg.trainer.ray_log_to_driver))
+        init_ray_keeping_sigterm(ray, address=address, runtime_env={"env_vars": env}, logging_level=logging.ERROR,
+                                 log_to_driver=bool(cfg.trainer.ray_log_to_driver))
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in nodes)
         gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in nodes)
@@ -110,5 +112,25 @@ def start_ray(cfg, platform: str) -> bool:
             rollout = cfg.actor_rollout_ref.rollout
             replicas = num_standalone_replicas(rollout) if placement(rollout) == "standalone" else 0
             kwargs["num_cpus"] = max(workers + replicas, os.cpu_count() or 1)
-        ray.init(**kwargs)
+        init_ray_keeping_sigterm(ray, **kwargs)
     return own_ray
+
+
+def init_ray_keeping_sigterm(ray, **kwargs) -> None:
+    """``ray.init`` with this process's SIGTERM handler kept. Ray's driver installs its own (``sys.exit(15)``: exit
+    code 15, no line), which would replace the start-up and training-loop handling (one line, exit 143, a checkpoint
+    in the loop). A SIGTERM that arrives while ``ray.init`` runs is reported as a start-up stop."""
+    from verl_diffusion.trainer import signals
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(**kwargs)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM or previous in (None, signal.SIG_DFL):
+            raise
+        ray.shutdown()
+        raise signals.StartupInterrupted(signal.SIGTERM, signals.phase) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
