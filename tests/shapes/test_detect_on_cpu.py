@@ -172,6 +172,27 @@ def test_shapes_reward_registered_and_reports_strict_per_tag():
         build_reward({"shapes": 1.0}, options={"shapes": {"score_key": "nope"}})
 
 
+def test_strict_weight_mixes_partial_credit_and_strict():
+    """strict_weight w: score = (1 − w)·partial + w·strict, so a colour-swapped attribute-binding image (both shapes
+    and both colours present, most of the partial credit) falls further below a correct one."""
+    from verl_diffusion.rewards import build_reward
+
+    rng = np.random.default_rng(3)
+    meta = make_metadata("color_attr", (("red", "circle"), ("green", "square")))
+    swapped = make_metadata("color_attr", (("green", "circle"), ("red", "square")))
+    images = np.stack([render(scene_for(m, rng, 32), 32) for m in (meta, swapped)])
+    partial = [score(img, meta) for img in images]
+    assert partial[0].strict and partial[0].reward == 1.0
+    assert not partial[1].strict and 0.0 < partial[1].reward < 1.0
+    rows = [{"reward_model": {"ground_truth": json.dumps(meta)}}] * 2
+    chw = images.transpose(0, 3, 1, 2)
+    for w in (0.0, 0.25, 0.5, 1.0):
+        res = build_reward({"shapes": 1.0}, options={"shapes": {"strict_weight": w}})(chw, [meta["prompt"]] * 2, rows)
+        assert res.scores.tolist() == pytest.approx([1.0, (1 - w) * partial[1].reward])
+    with pytest.raises(ValueError, match="strict_weight=1.5"):
+        build_reward({"shapes": 1.0}, options={"shapes": {"strict_weight": 1.5}})
+
+
 def test_a_shapeless_blob_has_no_shape_but_keeps_its_colour():
     """A bar (6:1) is no shape of the world: shape "unknown", so "a red square" gets only the colour's half
     credit, never strict."""

@@ -20,12 +20,18 @@ SCORE_KEYS = ("reward", "strict")
 
 @register_reward("shapes")
 class ShapesReward(Reward):
-    """Options: ``score_key`` (reward: partial credit | strict: 1 if all correct else 0)."""
+    """Options: ``score_key`` (reward: partial credit | strict: 1 if all correct else 0) and ``strict_weight`` w in
+    [0, 1]: with ``score_key`` reward the score is (1 − w)·partial + w·strict, so that a sample with every object
+    right but a colour bound to the wrong object (most of the partial credit) ranks below a fully correct one.
+    """
 
-    def __init__(self, score_key: str = "reward"):
+    def __init__(self, score_key: str = "reward", strict_weight: float = 0.0):
         if score_key not in SCORE_KEYS:
             raise ValueError(f"shapes: score_key={score_key!r} is unknown; choose one of {list(SCORE_KEYS)}")
+        if not 0.0 <= float(strict_weight) <= 1.0:
+            raise ValueError(f"shapes: strict_weight={strict_weight!r} is out of range; choose a number in [0, 1]")
         self.score_key = score_key
+        self.strict_weight = float(strict_weight)
         self._ready = False
 
     def score(self, images: list[np.ndarray], prompts: list[str], metadata: list[dict]) -> RewardOutput:
@@ -49,5 +55,8 @@ class ShapesReward(Reward):
         if missing:
             errors.append(f"{missing} row(s) carry no shapes metadata (reward_model.ground_truth must be the "
                           "tag/include JSON that data_process/shapes.py writes)")
-        scores = strict if self.score_key == "strict" else rewards
+        if self.score_key == "strict":
+            scores = strict
+        else:
+            scores = (1.0 - self.strict_weight) * rewards + self.strict_weight * strict
         return RewardOutput(scores, {"strict": strict, **per_tag}, errors=errors)
