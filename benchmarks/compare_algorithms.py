@@ -36,6 +36,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -464,6 +465,8 @@ def parse_args(argv=None):
     ap.add_argument("--report-only", action="store_true", help="rebuild the table and curves from --jsonl")
     ap.add_argument("--preamble", help="a markdown file whose text goes between the title and the command "
                                        "(how the runs were made, what the table says)")
+    ap.add_argument("--title", default="Algorithm race on the shapes world",
+                    help="the report's heading (default: %(default)s)")
     return ap.parse_args(argv)
 
 
@@ -512,9 +515,9 @@ def main(argv=None) -> int:
               and r["seed"] in args.seeds]
     text, agg = summarise(wanted, args.target_gain, args.target)
     text += "\n### Rollouts to target\n\n" + targets_table(wanted, args.target_gains)
-    cmd = "python benchmarks/compare_algorithms.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python benchmarks/compare_algorithms.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     preamble = Path(args.preamble).read_text().strip() + "\n\n" if args.preamble else ""
-    doc = (f"# Algorithm race on the shapes world\n\n{preamble}Command: `{cmd.strip()}`\n\n"
+    doc = (f"# {args.title}\n\n{preamble}Command: `{cmd.strip()}`\n\n"
            f"Base config `{args.config_name}`{' with model ' + args.model if args.model else ''}; seeds {args.seeds}; "
            f"curves: `{_shown_path(args.png)}`.\n\n{text}")
     print(doc)

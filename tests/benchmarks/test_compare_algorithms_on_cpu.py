@@ -133,3 +133,23 @@ def test_shards_share_one_jsonl_and_the_base_evaluation(race, tmp_path):
     shards = [race.plan_runs(race.parse_args(argv + ["--shard", f"{k}/2"])) for k in (0, 1)]
     assert sorted(shards[0] + shards[1]) == sorted(full) and not set(shards[0]) & set(shards[1])
     assert ("awm", "single", 0) not in race.plan_runs(race.parse_args(argv), done={("awm", "single", 0)})
+
+
+def test_report_only_writes_the_title_and_a_command_that_splits_back(race, tmp_path):
+    """``--report-only`` rebuilds the report from the JSONL alone; its heading is ``--title`` and its command line is
+    shell-quoted, so a title with spaces or quotes copies back into a shell as the same arguments."""
+    import shlex
+
+    jsonl, out = tmp_path / "rows.jsonl", tmp_path / "report.md"
+    race.merge_row(str(jsonl), {"algorithm": "awm", "setting": "single", "seed": 0, "rollouts_per_step": 32,
+                                "ppo_epochs": 1, "steps": [1, 2], "reward": [0.1, 0.2], "train_strict": [0.0, 0.0],
+                                "step_s": [2.0, 1.0], "rss_gb": [0.5, 0.5], "diversity": [0.2, 0.2],
+                                "val_steps": [0, 2], "val_strict": [0.2, 0.3], "val_reward": [0.4, 0.5],
+                                "log_ratio_max": [0.0, 0.0], "clip_frac": [0.0, 0.0]})
+    argv = ["--report-only", "--title", "AWM's race, one row", "--algorithms", "awm", "--settings", "single",
+            "--seeds", "0", "--jsonl", str(jsonl), "--out", str(out), "--png", ""]
+    assert race.main(argv) == 0
+    doc = out.read_text()
+    assert doc.startswith("# AWM's race, one row\n")
+    cmd = next(ln for ln in doc.splitlines() if ln.startswith("Command: `"))[len("Command: `"):-1]
+    assert shlex.split(cmd)[2:] == argv
