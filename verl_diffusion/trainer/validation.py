@@ -210,14 +210,32 @@ def val_history_from_run_dir(run_dir: str, rows: Sequence[dict]) -> list[dict]:
     return out
 
 
+def paired_tag_tables(first: Sequence[dict], last: Sequence[dict], *, before: str, after: str
+                      ) -> tuple[list[str], dict[str, list[dict]]]:
+    """Two validations of the same images (rows of :func:`read_validation_scores`, same order): for each per-image
+    strict accuracy, per tag and for the mean over tags, the composition-weighted accuracy in each and the gain with
+    its paired standard error (trainer/tag_report.py). Returns the printed lines and, per accuracy key, the rows."""
+    from verl_diffusion.trainer.tag_report import tag_gains, table_lines
+
+    lines, tables = [], {}
+    for key in sorted(k for k in first[0] if k.endswith("/strict")):
+        nan = float("nan")
+        table = tag_gains([nan if r[key] is None else r[key] for r in first],
+                          [nan if r[key] is None else r[key] for r in last],
+                          [r["tag"] for r in first], [r["composition"] for r in first])
+        lines.append(f"{key} by tag, every composition weighted equally ({before} -> {after}, "
+                     "gain in points ± paired standard error):")
+        lines += ["  " + line for line in table_lines(table, before=before, after=after)]
+        tables[key] = [vars(r) for r in table]
+    return lines, tables
+
+
 def tag_table_from_run_dir(run_dir: str, rows: Sequence[dict]) -> Optional[list[str]]:
     """The end-of-run table of the first and the last validation (same images): for each per-image strict accuracy,
     per tag and for the mean over tags, the composition-weighted accuracy before and after and the gain with its
     paired standard error (trainer/tag_report.py); also written to ``<run_dir>/heldout_by_tag.json``. None with
     fewer than two validations or no tagged per-image accuracy."""
     import json
-
-    from verl_diffusion.trainer.tag_report import tag_gains, table_lines
 
     steps = [int(r["step"]) for r in rows if "val/reward_mean" in r]
     if len(steps) < 2:
@@ -227,16 +245,8 @@ def tag_table_from_run_dir(run_dir: str, rows: Sequence[dict]) -> Optional[list[
     last = read_validation_scores(os.path.join(val, f"step_{steps[-1]:05d}.jsonl"))
     if not first or len(first) != len(last) or "composition" not in first[0]:
         return None
-    lines, report = [], {"first_step": steps[0], "last_step": steps[-1]}
-    for key in sorted(k for k in first[0] if k.endswith("/strict")):
-        nan = float("nan")
-        table = tag_gains([nan if r[key] is None else r[key] for r in first],
-                          [nan if r[key] is None else r[key] for r in last],
-                          [r["tag"] for r in first], [r["composition"] for r in first])
-        lines.append(f"{key} by tag, every composition weighted equally (step {steps[0]} -> {steps[-1]}, "
-                     "gain in points ± paired standard error):")
-        lines += ["  " + line for line in table_lines(table, before=f"step {steps[0]}", after=f"step {steps[-1]}")]
-        report[key] = [vars(r) for r in table]
+    lines, tables = paired_tag_tables(first, last, before=f"step {steps[0]}", after=f"step {steps[-1]}")
+    report = {"first_step": steps[0], "last_step": steps[-1], **tables}
     if lines:
         with open(os.path.join(run_dir, "heldout_by_tag.json.tmp"), "w") as f:
             json.dump(report, f, indent=1)
