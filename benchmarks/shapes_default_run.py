@@ -10,6 +10,10 @@ prompt order). The accuracy is the composition-weighted held-out strict accuracy
 markdown table (accuracy and reward at every validation, the gain with its paired standard error, wall time), the
 mean gain with its standard deviation over seeds, and each tag's gain averaged over seeds (from each run's
 heldout_by_tag.json) with the number of seeds in which it rose.
+
+``--algorithm NAME`` runs the default run with another loss: the algorithm settings of the race's recipe for NAME
+(``compare_algorithms.ALGORITHMS``: the loss, old policy, trained fraction, sampler, advantages), the rest (data,
+budget, learning-rate schedule, validation) the default run's.
 """
 
 from __future__ import annotations
@@ -45,11 +49,51 @@ def run_seed(seed: int, overrides: list[str], root: str) -> dict:
     return {"seed": seed, "wall_s": wall, "vals": vals, "se": se, "by_tag": by_tag, "stdout": res.stdout}
 
 
+def _hydra_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    return str(value)
+
+
+def algorithm_overrides(algo: str) -> list[str]:
+    """Hydra overrides that give the default config the algorithm settings of ``algo``'s race recipe: every leaf
+    of those settings set (``++``) and every default leaf they lack deleted (``~``), so a sub-config is replaced
+    whole, as the race replaces it."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from compare_algorithms import _select, algorithm_settings, compose
+    from omegaconf import OmegaConf
+
+    default = compose("shapes_cpu", [])
+    out = []
+
+    def leaves(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from leaves(f"{prefix}.{k}", v)
+        else:
+            yield prefix, value
+
+    for key, value in algorithm_settings(algo).items():
+        current = _select(default, key)
+        current = OmegaConf.to_container(current, resolve=True) if OmegaConf.is_config(current) else current
+        new = dict(leaves(key, value))
+        out += [f"~{k}" for k, _ in leaves(key, current) if k not in new]
+        out += [f"++{k}={_hydra_value(v)}" for k, v in new.items()]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--root", default=None, help="run directories (default: a temporary directory)")
+    p.add_argument("--algorithm", default=None, help="another loss with its race recipe's settings (default: the config's)")
     args, overrides = p.parse_known_args(argv)
+    if args.algorithm:
+        overrides = algorithm_overrides(args.algorithm) + overrides
     root = args.root or tempfile.mkdtemp(prefix="shapes_default_")
     results = []
     for s in args.seeds:

@@ -153,3 +153,27 @@ def test_report_only_writes_the_title_and_a_command_that_splits_back(race, tmp_p
     assert doc.startswith("# AWM's race, one row\n")
     cmd = next(ln for ln in doc.splitlines() if ln.startswith("Command: `"))[len("Command: `"):-1]
     assert shlex.split(cmd)[2:] == argv
+
+
+def test_default_run_with_another_algorithm_gets_the_race_settings(race, load_benchmark):
+    """shapes_default_run.py --algorithm NAME: the default config plus the generated hydra overrides holds exactly
+    the race's algorithm settings for NAME (leaves the recipe lacks deleted, not left over from AWM), and the rest
+    (the learning-rate schedule, the budget) is the default's."""
+    from omegaconf import OmegaConf
+
+    from verl_diffusion.main_flowgrpo import prepare_config, validate_config
+
+    default_run = load_benchmark("shapes_default_run")
+    base = race.compose("shapes_cpu", [])
+    for algo in ("diffusion_nft", "path_space_kde", "flow_grpo", "awm"):
+        cfg = race.compose("shapes_cpu", default_run.algorithm_overrides(algo))
+        for key, want in race.algorithm_settings(algo).items():
+            got = race._select(cfg, key)
+            got = OmegaConf.to_container(got, resolve=True) if OmegaConf.is_config(got) else got
+            assert got == want, (algo, key)
+        assert cfg.actor_rollout_ref.actor.optim == base.actor_rollout_ref.actor.optim
+        assert cfg.trainer.total_training_steps == base.trainer.total_training_steps
+        prepare_config(cfg)
+        validate_config(cfg)
+    nft = race.compose("shapes_cpu", default_run.algorithm_overrides("diffusion_nft"))
+    assert "phi" not in nft.actor_rollout_ref.actor.policy_loss and nft.actor_rollout_ref.actor.policy_loss.beta == 0.1
