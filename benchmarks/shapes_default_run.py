@@ -101,6 +101,13 @@ def main(argv=None) -> int:
         results.append(r)
         print(f"seed {s}: " + ", ".join(f"step {st}: strict {a:.3f} reward {rw:.3f}" for st, a, rw in r["vals"])
               + f"  ({r['wall_s']:.0f} s)", flush=True)
+    print(report(results))
+    return 0
+
+
+def report(results: list[dict]) -> str:
+    """The markdown report of ``run_seed`` results: accuracy at every validation, each seed's gain with its paired
+    s.e., the mean gain with its sd over seeds (one seed: its paired s.e.), and each tag's gain over seeds."""
     steps = [st for st, _, _ in results[0]["vals"]]
     lines = ["| seed | " + " | ".join(f"step {st}: strict / reward" for st in steps)
              + " | gain ± paired s.e. (points) | wall (s) |", "|---|" + "---|" * len(steps) + "---|---|"]
@@ -110,9 +117,13 @@ def main(argv=None) -> int:
         gains.append(gain)
         lines.append(f"| {r['seed']} | " + " | ".join(f"{a:.3f} / {rw:.3f}" for _, a, rw in r["vals"])
                      + f" | {gain:+.1f} ± {100 * r['se']:.1f} | {r['wall_s']:.0f} |")
-    sd = statistics.stdev(gains) if len(gains) > 1 else float("nan")
-    lines.append(f"\nheld-out strict accuracy gain: {statistics.mean(gains):+.1f} ± {sd:.1f} points (mean ± sd over "
-                 f"{len(gains)} seeds, {statistics.mean(gains) / sd:.1f} sd)")
+    if len(gains) > 1:
+        sd = statistics.stdev(gains)
+        lines.append(f"\nheld-out strict accuracy gain: {statistics.mean(gains):+.1f} ± {sd:.1f} points (mean ± sd over "
+                     f"{len(gains)} seeds, {statistics.mean(gains) / sd:.1f} sd)")
+    else:
+        lines.append(f"\nheld-out strict accuracy gain: {gains[0]:+.1f} ± {100 * results[0]['se']:.1f} points (one seed, "
+                     "± its paired s.e.)")
     # How much of the spread between seeds the evaluation alone explains: the root mean square of the paired s.e.
     rms_se = 100 * (sum(r["se"] ** 2 for r in results) / len(results)) ** 0.5
     lines.append(f"evaluation noise of one gain (rms paired s.e.): {rms_se:.1f} points")
@@ -120,11 +131,10 @@ def main(argv=None) -> int:
     lines.append("|---|---|---|---|---|")
     for tag in results[0]["by_tag"]:
         g = [100 * r["by_tag"][tag]["gain"] for r in results]
-        sd_t = statistics.stdev(g) if len(g) > 1 else float("nan")
+        sd_t = f"{statistics.stdev(g):.1f}" if len(g) > 1 else "—"
         lines.append(f"| {tag} | {100 * results[0]['by_tag'][tag]['before']:.1f}% | {statistics.mean(g):+.1f} | "
-                     f"{sd_t:.1f} | {sum(x > 0 for x in g)}/{len(g)} |")
-    print("\n".join(lines))
-    return 0
+                     f"{sd_t} | {sum(x > 0 for x in g)}/{len(g)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

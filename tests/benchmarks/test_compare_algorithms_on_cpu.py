@@ -177,3 +177,21 @@ def test_default_run_with_another_algorithm_gets_the_race_settings(race, load_be
         validate_config(cfg)
     nft = race.compose("shapes_cpu", default_run.algorithm_overrides("diffusion_nft"))
     assert "phi" not in nft.actor_rollout_ref.actor.policy_loss and nft.actor_rollout_ref.actor.policy_loss.beta == 0.1
+
+
+def test_default_run_report_over_seeds_and_for_one_seed(load_benchmark):
+    """The mean gain's ± is the sd over seeds; with one seed it is that run's paired s.e. (no nan)."""
+    default_run = load_benchmark("shapes_default_run")
+
+    def run(seed, final, se):
+        tags = {"colors": {"before": 0.5, "gain": final - 0.25}, "all tags": {"before": 0.25, "gain": final - 0.25}}
+        return {"seed": seed, "wall_s": 10.0, "vals": [(0, 0.25, 0.4), (40, final, 0.5)], "se": se, "by_tag": tags}
+
+    three = default_run.report([run(0, 0.35, 0.02), run(1, 0.37, 0.02), run(2, 0.39, 0.03)])
+    # gains +10, +12, +14: mean +12, sd 2 (6.0 sd); rms paired s.e. sqrt((4+4+9)/3) = 2.38
+    assert "gain: +12.0 ± 2.0 points (mean ± sd over 3 seeds, 6.0 sd)" in three
+    assert "(rms paired s.e.): 2.4 points" in three
+    assert "| colors | 50.0% | +12.0 | 2.0 | 3/3 |" in three
+    one = default_run.report([run(0, 0.35, 0.02)])
+    assert "gain: +10.0 ± 2.0 points (one seed, ± its paired s.e.)" in one
+    assert "| all tags | 25.0% | +10.0 | — | 1/1 |" in one and "nan" not in one
