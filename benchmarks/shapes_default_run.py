@@ -63,7 +63,9 @@ def algorithm_overrides(algo: str) -> list[str]:
     """Hydra overrides that give the default config the algorithm settings of ``algo``'s race recipe: every leaf
     of those settings set (``++``) and every default leaf they lack deleted (``~``), so a sub-config is replaced
     whole, as the race replaces it."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from compare_algorithms import _select, algorithm_settings, compose
     from omegaconf import OmegaConf
 
