@@ -124,7 +124,7 @@ def _hydra_main():
     def entry(cfg) -> None:
         from verl_diffusion.trainer.reward_health import RewardBudgetExceeded
         from verl_diffusion.trainer.run_dir import RunDirError, StorageError
-        from verl_diffusion.trainer.signals import StopRequested
+        from verl_diffusion.trainer.signals import StopRequested, startup_interruption
 
         try:
             summary = run_flowgrpo(cfg)
@@ -143,6 +143,13 @@ def _hydra_main():
             print(f"reward failure: {e}; checkpoint and metrics saved in {cfg.trainer.run_dir}; fix the reward and "
                   "run the same command to resume", file=sys.stderr, flush=True)
             sys.exit(REWARD_FAILURE_EXIT)
+        except Exception as e:
+            # A start-up signal that surfaced as another exception stops the run as the signal does (one line,
+            # 128 + signum), not as a traceback with hydra's exit code 1.
+            interrupted = startup_interruption(e)
+            if interrupted is None:
+                raise
+            raise interrupted from None
         if summary.get("finished"):
             print(summary["message"], flush=True)
             return

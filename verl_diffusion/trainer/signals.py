@@ -32,6 +32,20 @@ class StartupInterrupted(BaseException):
         return 128 + self.signum
 
 
+def startup_interruption(exc: BaseException) -> Optional[StartupInterrupted]:
+    """The :class:`StartupInterrupted` that ``exc`` was raised from or while handling (its ``__cause__`` /
+    ``__context__`` chain), else None. A handler that raises while a C function runs can surface as another
+    exception: CPython reports "SystemError: <function> returned a result with an exception set", the interruption
+    its cause."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StartupInterrupted):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    return None
+
+
 def install_startup_handlers() -> None:
     """From the first line of ``main``: SIGTERM / SIGINT raise :class:`StartupInterrupted` in the main thread
     (the training loop's :class:`GracefulStop` takes over while it runs, and restores these after)."""
