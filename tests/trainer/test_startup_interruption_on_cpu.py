@@ -46,6 +46,13 @@ def test_the_interruption_is_found_through_cause_and_context():
     err = _raised(while_handling)
     assert err.__cause__ is None and startup_interruption(err) is stop
 
+    def other_cause_while_handling():           # raised from another error while handling the interruption
+        try:
+            raise stop
+        except StartupInterrupted:
+            raise SystemError("wrapped") from KeyError("k")
+    assert startup_interruption(_raised(other_cause_while_handling)) is stop
+
     assert startup_interruption(ValueError("unrelated")) is None
     a, b = ValueError("a"), ValueError("b")
     a.__context__, b.__context__ = b, a        # a cycle ends the walk

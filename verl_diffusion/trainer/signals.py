@@ -38,11 +38,15 @@ def startup_interruption(exc: BaseException) -> Optional[StartupInterrupted]:
     exception: CPython reports "SystemError: <function> returned a result with an exception set", the interruption
     its cause."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, StartupInterrupted):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, StartupInterrupted):
+            return e
+        seen.add(id(e))
+        todo += [e.__context__, e.__cause__]
     return None
 
 
