@@ -36,12 +36,13 @@ def test_the_default_run_typed_once(tmp_path):
     a = arr.actor
     assert a.loss_mode == "awm" and type(a.loss).__name__.lower().startswith("awm")
     assert (a.loss.kl_coef, a.loss.phi, a.lr, a.train_step_fraction) == (0.01, "uniform", 1e-4, 1.0)
+    assert a.loss.off_policy is False
     assert (a.lr_scheduler_type, a.min_lr_ratio) == ("cosine", 0.1)
     assert (a.old_policy.schedule, a.old_policy.decay_max, a.old_policy.use_for_rollout) == ("awm_linear", 0.3, True)
     assert run.data.train_batch_size == 8 and run.data.num_val_prompts == 572 and run.data.num_train_prompts >= 8
     assert run.reward.components == {"shapes": 1.0} and run.adv_estimator == "flow_grpo"
     assert run.trainer.num_workers == 2 and run.trainer.trainer_mode == "diffusion_sync"
-    assert not run.trainer.samples_ahead and run.trainer.total_training_steps == 80
+    assert not run.trainer.samples_ahead and run.trainer.total_training_steps == 92
 
 
 def test_sections_are_frozen_and_read_as_mappings(tmp_path):
